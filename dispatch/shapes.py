@@ -1,0 +1,355 @@
+"""Shape inventories: which GEMV geometries (N, K) real models and the generalization grid need.
+
+W is an N×K matrix (N = output features, K = input features), y = W·x. One inventory per JSON file
+under corpus/shapes/, in this format (keys sorted, indent 1, trailing newline):
+
+    {"name": "llama-3.1-8b",                       # unique across all inventory files
+     "family": "llama-3.1",                        # hold-out group for evaluation (DESIGN §6)
+     "source": "meta-llama/Llama-3.1-8B/config.json",
+     "config": {"hidden_size": 4096, ...},         # the integer dims the shapes came from (optional)
+     "shapes": [{"role": "q", "n": 4096, "k": 4096}, ...]}
+
+Rules, checked on load: n and k are integers > 0, k is a multiple of 32 (one quantization block);
+a role appears once per file, while different roles may share one (n, k); names are unique across files.
+Model roles: q, k, v, o, the fused qkv, gate, up, the fused gate_up, down and lm_head. The fused roles
+are listed because engines that fuse the projections launch one GEMV of that size instead of two/three.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import re
+import tempfile
+import warnings
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kernels.errors import InputError
+
+QBLOCK = 32  # K must hold whole quantization blocks
+ROLES = ("q", "k", "v", "o", "qkv", "gate", "up", "gate_up", "down", "lm_head")
+CONFIG_KEYS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+)
+
+# The generalization grid spans these ranges; a cell holding more weights than GRID_MAX_ELEMENTS is left
+# out because no model in the corpus needs it (the largest, Llama-3.1-70B's lm_head, has 1.05e9) and a
+# sweep must pack and hold every cell's weights in memory.
+GRID_N = (256, 262144)
+GRID_K = (256, 65536)
+GRID_MAX_ELEMENTS = 1 << 30
+GRID_NAME = "synthetic-grid"
+
+StrPath = str | os.PathLike[str]
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One GEMV geometry of one model: W is n×k; `role` says which projection it is."""
+
+    n: int
+    k: int
+    role: str
+    model: str
+    family: str
+
+
+@dataclass(frozen=True)
+class Inventory:
+    """The GEMV shapes of one model (or of the synthetic grid), with where they came from."""
+
+    name: str
+    family: str
+    source: str
+    shapes: tuple[Shape, ...]
+    config: tuple[tuple[str, int], ...] = field(default=())  # sorted (key, value); a tuple keeps it frozen
+
+    def geometries(self) -> list[tuple[int, int]]:
+        """Sorted unique (n, k): the cells a sweep has to measure for this inventory."""
+        return sorted({(s.n, s.k) for s in self.shapes})
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form documented in this module's docstring."""
+        return {
+            "name": self.name,
+            "family": self.family,
+            "source": self.source,
+            "config": dict(self.config),
+            "shapes": [{"role": s.role, "n": s.n, "k": s.k} for s in self.shapes],
+        }
+
+
+def default_inventory_dir() -> Path:
+    """corpus/shapes of the repository this package lives in."""
+    return Path(__file__).resolve().parents[1] / "corpus" / "shapes"
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # JSON true would pass as 1 otherwise
+
+
+def _text(data: Mapping[str, Any], key: str, where: str) -> str:
+    value = data[key]
+    if not isinstance(value, str) or not value.strip():
+        raise InputError(f"{where}: '{key}' must be a non-empty string, got {value!r}")
+    return value
+
+
+def inventory_from_dict(data: Any, where: str) -> Inventory:
+    """Validate one inventory's JSON object; `where` (a file name) starts every error message."""
+    if not isinstance(data, dict):
+        raise InputError(f"{where}: expected a JSON object, got {type(data).__name__}")
+    missing = [key for key in ("name", "family", "source", "shapes") if key not in data]
+    if missing:
+        raise InputError(f"{where}: missing key(s) {', '.join(missing)}")
+    name, family, source = (_text(data, key, where) for key in ("name", "family", "source"))
+    config = data.get("config", {})
+    if not isinstance(config, dict) or not all(_is_int(v) for v in config.values()):
+        raise InputError(f"{where}: 'config' must be an object of integers, got {config!r}")
+    entries = data["shapes"]
+    if not isinstance(entries, list) or not entries:
+        raise InputError(f"{where}: 'shapes' must be a non-empty list")
+
+    shapes: list[Shape] = []
+    seen: dict[str, int] = {}
+    for i, entry in enumerate(entries):
+        at = f"{where}: shapes[{i}]"
+        if not isinstance(entry, dict):
+            raise InputError(f"{at}: expected an object with role, n, k, got {entry!r}")
+        lacking = [key for key in ("role", "n", "k") if key not in entry]
+        if lacking:
+            raise InputError(f"{at}: missing key(s) {', '.join(lacking)}")
+        role = _text(entry, "role", at)
+        at = f"{at} (role {role!r})"
+        for key in ("n", "k"):
+            if not _is_int(entry[key]) or entry[key] <= 0:
+                raise InputError(f"{at}: {key} must be an integer > 0, got {entry[key]!r}")
+        if entry["k"] % QBLOCK:
+            raise InputError(f"{at}: k={entry['k']} is not a multiple of {QBLOCK}")
+        if role in seen:
+            raise InputError(f"{at}: duplicate role, already at shapes[{seen[role]}]")
+        seen[role] = i
+        shapes.append(Shape(entry["n"], entry["k"], role, name, family))
+    return Inventory(name, family, source, tuple(shapes), tuple(sorted(config.items())))
+
+
+def load_inventory(path: StrPath) -> Inventory:
+    """Read and validate one inventory file; any defect raises InputError naming the file."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise InputError(f"{path}: no such inventory file") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise InputError(f"{path}: cannot read ({err})") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise InputError(f"{path}: malformed JSON ({err})") from None
+    return inventory_from_dict(data, str(path))
+
+
+def load_inventories(paths_or_dir: StrPath | Iterable[StrPath]) -> list[Inventory]:
+    """Load inventory files; a directory stands for its *.json files. Names must be unique."""
+    given = [paths_or_dir] if isinstance(paths_or_dir, str | os.PathLike) else list(paths_or_dir)
+    files: list[Path] = []
+    for item in map(Path, given):
+        if item.is_dir():
+            found = sorted(item.glob("*.json"))
+            if not found:
+                raise InputError(f"{item}: no inventory files (*.json) in this directory")
+            files.extend(found)
+        else:
+            files.append(item)
+    if not files:
+        raise InputError("no inventory files given")
+
+    inventories: list[Inventory] = []
+    origin: dict[str, Path] = {}
+    for path in files:
+        inv = load_inventory(path)
+        if inv.name in origin:
+            raise InputError(f"{path}: inventory name {inv.name!r} is already used by {origin[inv.name]}")
+        origin[inv.name] = path
+        inventories.append(inv)
+    return inventories
+
+
+def write_inventory(inv: Inventory, path: StrPath) -> Path:
+    """Write `inv` as deterministic JSON, atomically: a reader sees the old file or the new one."""
+    path = Path(path)
+    text = json.dumps(inv.to_dict(), sort_keys=True, indent=1) + "\n"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            out.write(text)
+            out.flush()
+            os.fsync(out.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp makes it owner-only; inventories are shared data
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def from_config(name: str, family: str, source: str, config: Mapping[str, int]) -> Inventory:
+    """The ten projections of a dense GQA transformer block, from its config.json dimensions."""
+    lacking = [key for key in CONFIG_KEYS if key not in config]
+    if lacking:
+        raise InputError(f"{name}: config lacks {', '.join(lacking)}")
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    q_out = config["num_attention_heads"] * config["head_dim"]
+    kv_out = config["num_key_value_heads"] * config["head_dim"]
+    dims = {
+        "q": (q_out, hidden),
+        "k": (kv_out, hidden),
+        "v": (kv_out, hidden),
+        "o": (hidden, q_out),
+        "qkv": (q_out + 2 * kv_out, hidden),
+        "gate": (inter, hidden),
+        "up": (inter, hidden),
+        "gate_up": (2 * inter, hidden),
+        "down": (hidden, inter),
+        "lm_head": (config["vocab_size"], hidden),
+    }
+    shapes = tuple(Shape(n, k, role, name, family) for role, (n, k) in dims.items())
+    return Inventory(name, family, source, shapes, tuple(sorted(config.items())))
+
+
+def _grid_axis(lo: int, hi: int) -> tuple[list[int], list[int]]:
+    """Powers of two from lo to hi, and one odd multiple of 32 near each geometric half-octave between.
+
+    The odd multiples (e.g. 352 = 11·32, 2912 = 91·32) are never a multiple of 64, so they leave
+    partial tiles and partial K partitions that the power-of-two points never exercise."""
+    powers = [1 << e for e in range(lo.bit_length() - 1, hi.bit_length())]
+    halves = [(math.isqrt(a * b) // QBLOCK | 1) * QBLOCK for a, b in itertools.pairwise(powers)]
+    return powers, halves
+
+
+def synthetic_grid() -> Inventory:
+    """The log-spaced generalization grid over N in GRID_N and K in GRID_K.
+
+    A quincunx lattice: powers of two crossed with powers of two, and half-octave odd multiples of 32
+    crossed with each other, so every point is half an octave (diagonally) from its neighbours at half
+    the cost of a full half-octave grid. Cells above GRID_MAX_ELEMENTS weights are left out."""
+    n_pow, n_half = _grid_axis(*GRID_N)
+    k_pow, k_half = _grid_axis(*GRID_K)
+    cells = sorted(
+        (n, k)
+        for ns, ks in ((n_pow, k_pow), (n_half, k_half))
+        for n in ns
+        for k in ks
+        if n * k <= GRID_MAX_ELEMENTS
+    )
+    shapes = tuple(Shape(n, k, f"grid_{n}x{k}", GRID_NAME, "synthetic") for n, k in cells)
+    config = {"n_min": GRID_N[0], "n_max": GRID_N[1], "k_min": GRID_K[0], "k_max": GRID_K[1],
+              "max_elements": GRID_MAX_ELEMENTS}
+    return Inventory(GRID_NAME, "synthetic", "dispatch.shapes.synthetic_grid", shapes,
+                     tuple(sorted(config.items())))
+
+
+def write_synthetic_grid(directory: StrPath | None = None) -> Path:
+    """Regenerate corpus/shapes/synthetic-grid.json from synthetic_grid() (a test keeps them equal)."""
+    directory = Path(directory) if directory is not None else default_inventory_dir()
+    return write_inventory(synthetic_grid(), directory / f"{GRID_NAME}.json")
+
+
+# GGUF tensor base names (blk.<i>.<base>.weight) -> role; `_exps` are 3-D stacks of per-expert matrices.
+_GGUF_ROLES = {
+    "attn_q": "q",
+    "attn_k": "k",
+    "attn_v": "v",
+    "attn_output": "o",
+    "attn_qkv": "qkv",
+    "ffn_gate": "gate",
+    "ffn_up": "up",
+    "ffn_gate_up": "gate_up",
+    "ffn_down": "down",
+    "ffn_gate_exps": "expert_gate",
+    "ffn_up_exps": "expert_up",
+    "ffn_down_exps": "expert_down",
+}
+_GGUF_BLOCK = re.compile(r"blk\.\d+\.(?P<base>\w+)\.weight")
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9.]+", "-", text.lower()).strip("-")
+
+
+def from_gguf(path: StrPath) -> Inventory:
+    """The GEMV shapes of a GGUF model, read from its tensor infos only (no weight is loaded).
+
+    GGUF stores a matrix's dims as ne = [K, N]: ne[0] is the contiguous (input) dim, and
+    gguf.GGUFReader's ReaderTensor.shape is that ne list, so n = shape[1], k = shape[0].
+    Identical (role, n, k) across layers collapse into one entry; a role that occurs with several
+    geometries (models with per-layer widths) gets one entry per geometry, named `role:NxK`.
+    token_embd is not a GEMV, except as the lm_head of a tied model without output.weight.
+    Matrices whose K is not a multiple of 32 cannot be block-quantized and are skipped with a warning."""
+    import gguf  # heavy import, only needed here
+
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"{path}: no such GGUF file")
+    try:
+        reader = gguf.GGUFReader(path)
+    except (ValueError, OSError, IndexError, KeyError) as err:
+        raise InputError(f"{path}: not a readable GGUF file ({err})") from None
+
+    found: dict[str, list[tuple[int, int]]] = {}
+    unknown: set[str] = set()
+    bad_k = 0
+    by_name = {t.name: [int(d) for d in t.shape] for t in reader.tensors}
+    if "output.weight" not in by_name and "token_embd.weight" in by_name:
+        by_name["output.weight"] = by_name["token_embd.weight"]
+    for name, ne in by_name.items():
+        match = _GGUF_BLOCK.fullmatch(name)
+        if name == "output.weight":
+            role = "lm_head"
+        elif match is None:
+            continue  # token_embd, output_norm, rope factors, ...: not per-block projections
+        elif match["base"] in _GGUF_ROLES:
+            role = _GGUF_ROLES[match["base"]]
+        else:
+            if len(ne) >= 2:
+                unknown.add(match["base"])
+            continue
+        if len(ne) != (3 if role.startswith("expert_") else 2):
+            continue
+        k, n = ne[0], ne[1]
+        if k % QBLOCK:
+            bad_k += 1
+            continue
+        if (n, k) not in found.setdefault(role, []):
+            found[role].append((n, k))
+    if bad_k:
+        warnings.warn(f"{path}: skipped {bad_k} tensor(s) whose K is not a multiple of {QBLOCK}",
+                      stacklevel=2)
+    if unknown:
+        warnings.warn(f"{path}: ignored weight tensors of unknown role: {', '.join(sorted(unknown))}",
+                      stacklevel=2)
+    if not found:
+        raise InputError(f"{path}: no GEMV weight tensors (blk.N.attn_q.weight, ...) found")
+
+    name_field = reader.get_field("general.name")
+    arch_field = reader.get_field("general.architecture")
+    name = _slug(str(name_field.contents())) if name_field is not None else ""
+    name = name or _slug(path.stem) or path.stem
+    family = (_slug(str(arch_field.contents())) if arch_field is not None else "") or "gguf"
+    shapes = tuple(
+        Shape(n, k, role if len(geoms) == 1 else f"{role}:{n}x{k}", name, family)
+        for role, geoms in found.items()
+        for n, k in geoms
+    )
+    return Inventory(name, family, f"gguf:{path.name}", shapes)

@@ -1,0 +1,361 @@
+"""Shape inventories: shipped files, the synthetic grid, validation, GGUF import and the `shapes` CLI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from dispatch.cli import main
+from dispatch.shapes import (
+    GRID_MAX_ELEMENTS,
+    QBLOCK,
+    ROLES,
+    Inventory,
+    default_inventory_dir,
+    from_config,
+    from_gguf,
+    load_inventories,
+    load_inventory,
+    synthetic_grid,
+    write_inventory,
+    write_synthetic_grid,
+)
+from kernels.errors import InputError
+
+REQUIRED_MODELS = {
+    "llama-3.1-8b", "llama-3.1-70b", "qwen2.5-7b", "qwen2.5-32b", "qwen3-8b",
+    "mistral-7b-v0.3", "gemma-2-9b", "phi-3-mini-4k",
+}
+
+
+@pytest.fixture(scope="module")
+def shipped() -> dict[str, Inventory]:
+    return {inv.name: inv for inv in load_inventories(default_inventory_dir())}
+
+
+def models(shipped: dict[str, Inventory]) -> list[Inventory]:
+    return [inv for inv in shipped.values() if inv.family != "synthetic"]
+
+
+# --- shipped inventories ------------------------------------------------------------------------
+
+def test_shipped_inventories_cover_required_models_and_ten_families(shipped):
+    assert shipped.keys() >= REQUIRED_MODELS
+    assert len(models(shipped)) >= 10
+    assert len({inv.family for inv in models(shipped)}) >= 10
+
+
+def test_every_model_has_the_ten_roles_with_whole_blocks(shipped):
+    for inv in models(shipped):
+        assert [s.role for s in inv.shapes] == list(ROLES), inv.name
+        assert all(s.k % QBLOCK == 0 and s.n > 0 for s in inv.shapes)
+        assert all(s.model == inv.name and s.family == inv.family for s in inv.shapes)
+        assert inv.source.endswith("/config.json")
+
+
+def test_every_model_file_is_derived_from_its_own_config(shipped):
+    for inv in models(shipped):
+        assert from_config(inv.name, inv.family, inv.source, dict(inv.config)) == inv
+
+
+@pytest.mark.parametrize(
+    ("model", "role", "n", "k"),
+    [
+        ("llama-3.1-8b", "q", 4096, 4096),
+        ("llama-3.1-8b", "k", 1024, 4096),
+        ("llama-3.1-8b", "gate_up", 28672, 4096),
+        ("llama-3.1-8b", "down", 4096, 14336),
+        ("llama-3.1-8b", "lm_head", 128256, 4096),
+        ("llama-3.1-70b", "qkv", 10240, 8192),
+        ("llama-3.1-70b", "down", 8192, 28672),
+        ("qwen2.5-7b", "k", 512, 3584),
+        ("qwen2.5-7b", "gate", 18944, 3584),
+        ("qwen2.5-7b", "lm_head", 152064, 3584),
+        ("qwen2.5-32b", "down", 5120, 27648),
+        ("qwen3-8b", "lm_head", 151936, 4096),
+        ("mistral-7b-v0.3", "lm_head", 32768, 4096),
+        ("gemma-2-9b", "q", 4096, 3584),  # 16 heads × head_dim 256 ≠ hidden 3584
+        ("gemma-2-9b", "o", 3584, 4096),
+        ("phi-3-mini-4k", "qkv", 9216, 3072),
+        ("phi-3-mini-4k", "gate_up", 16384, 3072),
+    ],
+)
+def test_known_dims(shipped, model, role, n, k):
+    by_role = {s.role: (s.n, s.k) for s in shipped[model].shapes}
+    assert by_role[role] == (n, k)
+
+
+def test_geometries_are_sorted_and_unique(shipped):
+    inv = shipped["llama-3.1-8b"]
+    geoms = inv.geometries()
+    assert geoms == sorted(set(geoms))
+    assert (1024, 4096) in geoms  # k and v share one geometry
+    assert len(geoms) == len(inv.shapes) - 3  # k=v, gate=up, q=o (square 4096)
+
+
+# --- synthetic grid -----------------------------------------------------------------------------
+
+def test_synthetic_grid_file_equals_function(shipped, tmp_path):
+    assert shipped["synthetic-grid"] == synthetic_grid()
+    regenerated = write_synthetic_grid(tmp_path)
+    assert regenerated.read_bytes() == (default_inventory_dir() / "synthetic-grid.json").read_bytes()
+
+
+def test_synthetic_grid_spans_the_ranges_with_partial_tiles():
+    grid = synthetic_grid()
+    ns, ks = {s.n for s in grid.shapes}, {s.k for s in grid.shapes}
+    assert (min(ns), max(ns), min(ks), max(ks)) == (256, 262144, 256, 65536)
+    assert all(s.k % QBLOCK == 0 and s.n * s.k <= GRID_MAX_ELEMENTS for s in grid.shapes)
+    assert any(k % 64 == QBLOCK for k in ks) and any(n % 64 == QBLOCK for n in ns)
+    assert len(grid.geometries()) == len(grid.shapes) >= 100
+    assert grid.family == "synthetic"
+
+
+# --- validation ---------------------------------------------------------------------------------
+
+def good() -> dict:
+    return {"name": "m", "family": "f", "source": "s",
+            "shapes": [{"role": "q", "n": 64, "k": 64}, {"role": "k", "n": 64, "k": 64}]}
+
+
+def with_shape(**entry) -> dict:
+    data = good()
+    data["shapes"][1] = entry
+    return data
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("{not json", "malformed JSON"),
+        ([1, 2], "expected a JSON object"),
+        ({"name": "m", "family": "f", "source": "s"}, "missing key(s) shapes"),
+        ({**good(), "name": ""}, "'name' must be a non-empty string"),
+        ({**good(), "shapes": []}, "'shapes' must be a non-empty list"),
+        ({**good(), "config": {"hidden_size": "big"}}, "'config' must be an object of integers"),
+        (with_shape(role="k", n=64), r"shapes[1]: missing key(s) k"),
+        (with_shape(role="k", n="64", k=64), r"shapes[1] (role 'k'): n must be an integer > 0"),
+        (with_shape(role="k", n=64.0, k=64), r"shapes[1] (role 'k'): n must be an integer > 0"),
+        (with_shape(role="k", n=True, k=64), r"shapes[1] (role 'k'): n must be an integer > 0"),
+        (with_shape(role="k", n=0, k=64), r"shapes[1] (role 'k'): n must be an integer > 0"),
+        (with_shape(role="k", n=64, k=-32), r"shapes[1] (role 'k'): k must be an integer > 0"),
+        (with_shape(role="k", n=64, k=100), r"shapes[1] (role 'k'): k=100 is not a multiple of 32"),
+        (with_shape(role="q", n=32, k=64), r"shapes[1] (role 'q'): duplicate role, already at shapes[0]"),
+        (with_shape(role="", n=32, k=64), r"shapes[1]: 'role' must be a non-empty string"),
+    ],
+)
+def test_malformed_inventory_names_file_and_entry(tmp_path, content, message):
+    path = tmp_path / "bad.json"
+    path.write_text(content if isinstance(content, str) else json.dumps(content))
+    with pytest.raises(InputError) as err:
+        load_inventory(path)
+    assert str(err.value).startswith(f"{path}: ")
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_duplicate_names_across_files(tmp_path):
+    for stem in ("a", "b"):
+        (tmp_path / f"{stem}.json").write_text(json.dumps(good()))
+    with pytest.raises(InputError, match=r"b\.json: inventory name 'm' is already used by .*a\.json"):
+        load_inventories(tmp_path)
+
+
+def test_missing_file_and_empty_directory(tmp_path):
+    with pytest.raises(InputError, match="no such inventory file"):
+        load_inventory(tmp_path / "absent.json")
+    with pytest.raises(InputError, match="no inventory files"):
+        load_inventories(tmp_path)
+
+
+def test_load_inventories_accepts_files_and_directories(tmp_path, shipped):
+    single = load_inventories(default_inventory_dir() / "qwen3-8b.json")
+    assert [inv.name for inv in single] == ["qwen3-8b"]
+    (tmp_path / "m.json").write_text(json.dumps(good()))
+    both = load_inventories([tmp_path, default_inventory_dir() / "qwen3-8b.json"])
+    assert [inv.name for inv in both] == ["m", "qwen3-8b"]
+
+
+def test_write_inventory_round_trips_deterministically(tmp_path, shipped):
+    inv = shipped["gemma-2-9b"]
+    out = write_inventory(inv, tmp_path / "sub" / "g.json")
+    assert load_inventory(out) == inv
+    text = out.read_text()
+    assert text.endswith("}\n") and text == (default_inventory_dir() / "gemma-2-9b.json").read_text()
+    assert json.loads(text) == json.loads(json.dumps(json.loads(text), sort_keys=True))
+    assert [p.name for p in out.parent.iterdir()] == ["g.json"]  # no temp file left behind
+
+
+# --- GGUF import --------------------------------------------------------------------------------
+
+def write_gguf(path: Path, tensors: dict[str, tuple[int, ...]], name: str | None = "Tiny Test Model") -> Path:
+    """A GGUF file with zero-filled F32 tensors; numpy shapes are (rows=N, cols=K) as in a converter."""
+    import gguf
+
+    writer = gguf.GGUFWriter(path, "llama")
+    if name is not None:
+        writer.add_name(name)
+    for tensor_name, shape in tensors.items():
+        writer.add_tensor(tensor_name, np.zeros(shape, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+HIDDEN, Q_OUT, KV_OUT, FF, VOCAB = 64, 96, 32, 160, 128
+
+LAYER = {
+    "attn_q": (Q_OUT, HIDDEN),
+    "attn_k": (KV_OUT, HIDDEN),
+    "attn_v": (KV_OUT, HIDDEN),
+    "attn_output": (HIDDEN, Q_OUT),
+    "ffn_gate": (FF, HIDDEN),
+    "ffn_up": (FF, HIDDEN),
+    "ffn_down": (HIDDEN, FF),
+}
+
+
+def tiny_model(**extra: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+    tensors: dict[str, tuple[int, ...]] = {"token_embd.weight": (VOCAB + 32, HIDDEN)}
+    for layer in (0, 1):
+        tensors[f"blk.{layer}.attn_norm.weight"] = (HIDDEN,)
+        tensors.update({f"blk.{layer}.{base}.weight": shape for base, shape in LAYER.items()})
+    tensors["output_norm.weight"] = (HIDDEN,)
+    tensors["output.weight"] = (VOCAB, HIDDEN)
+    tensors.update(extra)
+    return tensors
+
+
+def test_gguf_reader_reports_ne_order(tmp_path):
+    """The convention from_gguf relies on: ReaderTensor.shape is ne = [K, N] for a numpy (N, K) matrix."""
+    import gguf
+
+    path = write_gguf(tmp_path / "t.gguf", {"blk.0.attn_q.weight": (Q_OUT, HIDDEN)})
+    (tensor,) = gguf.GGUFReader(path).tensors
+    assert [int(d) for d in tensor.shape] == [HIDDEN, Q_OUT]
+
+
+def test_from_gguf_maps_roles_and_orientation(tmp_path):
+    inv = from_gguf(write_gguf(tmp_path / "tiny.gguf", tiny_model()))
+    assert [(s.role, s.n, s.k) for s in inv.shapes] == [
+        ("q", Q_OUT, HIDDEN),
+        ("k", KV_OUT, HIDDEN),
+        ("v", KV_OUT, HIDDEN),
+        ("o", HIDDEN, Q_OUT),
+        ("gate", FF, HIDDEN),
+        ("up", FF, HIDDEN),
+        ("down", HIDDEN, FF),
+        ("lm_head", VOCAB, HIDDEN),  # from output.weight; token_embd (VOCAB+32 rows) is skipped
+    ]
+    assert (inv.name, inv.family, inv.source) == ("tiny-test-model", "llama", "gguf:tiny.gguf")
+
+
+def test_from_gguf_fused_expert_and_tied_tensors(tmp_path):
+    tensors = tiny_model(**{
+        "blk.0.attn_qkv.weight": (Q_OUT + 2 * KV_OUT, HIDDEN),
+        "blk.0.ffn_up_exps.weight": (4, FF, HIDDEN),  # 4 experts of FF×HIDDEN
+    })
+    del tensors["output.weight"]  # tied: the engine multiplies by token_embd
+    inv = from_gguf(write_gguf(tmp_path / "fused.gguf", tensors, name=None))
+    by_role = {s.role: (s.n, s.k) for s in inv.shapes}
+    assert by_role["qkv"] == (Q_OUT + 2 * KV_OUT, HIDDEN)
+    assert by_role["expert_up"] == (FF, HIDDEN)
+    assert by_role["lm_head"] == (VOCAB + 32, HIDDEN)
+    assert inv.name == "fused"  # no general.name: the file stem
+
+
+def test_from_gguf_per_layer_widths_and_bad_k(tmp_path):
+    tensors = tiny_model(**{
+        "blk.1.ffn_up.weight": (FF + 32, HIDDEN),
+        "blk.2.attn_q.weight": (Q_OUT, 48),  # K = 48: not whole blocks
+    })
+    with pytest.warns(UserWarning, match="skipped 1 tensor"):
+        inv = from_gguf(write_gguf(tmp_path / "wide.gguf", tensors))
+    roles = [s.role for s in inv.shapes]
+    assert f"up:{FF}x{HIDDEN}" in roles and f"up:{FF + 32}x{HIDDEN}" in roles and "up" not in roles
+    assert all(s.k % QBLOCK == 0 for s in inv.shapes)
+    assert load_inventory(write_inventory(inv, tmp_path / "wide.json")) == inv  # still one role per entry
+
+
+def test_from_gguf_warns_about_unknown_projections(tmp_path):
+    tensors = tiny_model(**{"blk.0.attn_kv_a_mqa.weight": (KV_OUT, HIDDEN)})  # MLA: no role of ours
+    with pytest.warns(UserWarning, match="unknown role: attn_kv_a_mqa"):
+        inv = from_gguf(write_gguf(tmp_path / "mla.gguf", tensors))
+    assert len(inv.shapes) == len(LAYER) + 1
+
+
+def test_from_gguf_rejects_non_gguf_and_missing(tmp_path):
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"definitely not gguf")
+    with pytest.raises(InputError, match=r"junk\.gguf: not a readable GGUF file"):
+        from_gguf(junk)
+    with pytest.raises(InputError, match="no such GGUF file"):
+        from_gguf(tmp_path / "absent.gguf")
+    whole = write_gguf(tmp_path / "whole.gguf", tiny_model()).read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(InputError, match=r"cut\.gguf: not a readable GGUF file"):
+        from_gguf(tmp_path / "cut.gguf")
+    empty = write_gguf(tmp_path / "norms.gguf", {"output_norm.weight": (HIDDEN,)})
+    with pytest.raises(InputError, match="no GEMV weight tensors"):
+        from_gguf(empty)
+
+
+# --- CLI ----------------------------------------------------------------------------------------
+
+def run(*args: str):
+    return CliRunner().invoke(main, ["shapes", *args])
+
+
+def test_cli_list_table_and_json():
+    table = run("list")
+    assert table.exit_code == 0, table.output
+    rows = [line.split() for line in table.stdout.splitlines()]
+    assert ["llama-3.1-8b", "llama-3.1", "10", "7"] in rows
+    listed = run("list", "--json")
+    assert listed.exit_code == 0
+    data = json.loads(listed.stdout)
+    assert {"llama-3.1-8b", "synthetic-grid"} <= {inv["name"] for inv in data}
+
+
+def test_cli_list_bad_file_is_one_line_error(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(with_shape(role="k", n=64, k=100)))
+    result = run("list", str(bad))
+    assert result.exit_code == 2
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith("error: ")
+    assert "bad.json: shapes[1] (role 'k'): k=100" in result.stderr
+    assert "Traceback" not in result.output
+
+
+def test_cli_from_gguf_table_output_and_json(tmp_path):
+    model = write_gguf(tmp_path / "tiny.gguf", tiny_model())
+    table = run("from-gguf", str(model))
+    assert table.exit_code == 0, table.output
+    assert "lm_head" in table.stdout and f"n={VOCAB}" in table.stdout
+
+    out = tmp_path / "tiny.json"
+    written = run("from-gguf", str(model), "-o", str(out), "--json")
+    assert written.exit_code == 0
+    assert json.loads(written.stdout) == from_gguf(model).to_dict()
+    assert load_inventory(out) == from_gguf(model)
+
+
+def test_cli_from_gguf_bad_input_is_one_line_error(tmp_path):
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"nope")
+    result = run("from-gguf", str(junk))
+    assert result.exit_code != 0
+    assert result.stderr.count("\n") == 1 and "junk.gguf" in result.stderr
+    assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("command", [[], ["list"], ["from-gguf"]])
+def test_cli_help(command):
+    result = run(*command, "--help")
+    assert result.exit_code == 0 and "Usage:" in result.stdout
