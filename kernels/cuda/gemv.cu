@@ -1,0 +1,216 @@
+// Quantized GEMV candidates (DESIGN §1-3), one source for every family and codebook.
+//
+//   gemv_partial<CB, CPT, MT, GRID_SPLIT>: the threads of K partition p walk blocks [p*w, min(KB,(p+1)*w))
+//     wide    in-CTA, S = 1                      (p = threadIdx.y = 0)
+//     direct  in-CTA, S >= 2 partitions          (p = threadIdx.y), partials meet in shared memory
+//     kpar    GRID_SPLIT, S partitions over CTAs (p = blockIdx.y), partials to workspace [S][M][N],
+//             folded by fold_partials
+//   quantize_activations: x float32 [M][K] -> q int8 [M][KB][32], d_a float [M][KB], sum_a int [M][KB]
+//
+// Arithmetic identity: every float operation is one IEEE fp32 rounding (__fmul_rn/__fadd_rn/__fdiv_rn are
+// never contracted into FMA); block dot products are exact int32 dp4a; accumulation order is fixed by the
+// contract (ascending blocks inside a partition, then ascending partitions from 0.0f). Launch parameters
+// (CPT, MT, threads, family) therefore never change a bit of the output.
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned long long u64;
+
+enum Codebook { Q4_0 = 0, Q4_1 = 1, Q5_0 = 2, Q5_1 = 3, Q8_0 = 4, IQ4_NL = 5 };
+
+template <int CB>
+struct Traits {
+    static constexpr int WORDS = CB == Q8_0 ? 8 : 4;                       // payload u32 words per block
+    static constexpr bool ASYM = CB == Q4_1 || CB == Q5_1;                 // fp16 min plane
+    static constexpr bool HIGH = CB == Q5_0 || CB == Q5_1;                 // u32 high-bit plane
+    static constexpr int OFFSET = CB == Q4_0 ? 8 : (CB == Q5_0 ? 16 : 0);  // code = stored value - OFFSET
+};
+
+__device__ __forceinline__ float half_bits_to_float(u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));  // exact, subnormals kept
+    return f;
+}
+
+// Bits 0..3 of h become bit 4 of bytes 0..3 (the fifth bit of four consecutive Q5 values).
+__device__ __forceinline__ u32 high_bits_to_bytes(u32 h) {
+    return ((h << 4) & 0x10u) | ((h << 11) & 0x1000u) | ((h << 18) & 0x100000u) | ((h << 25) & 0x10000000u);
+}
+
+// IQ4_NL: the 16 int8 kvalues of the nibble table, little-endian in four words.
+__device__ __forceinline__ void iq4nl_lookup(u32 w, u32& lo, u32& hi) {
+    const u32 t0 = 0xBFAD9881u, t1 = 0xF6EADDCFu, t2 = 0x26190D01u, t3 = 0x71594535u;
+    u32 r[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        // Selector nibbles: the raw nibbles of bytes 2i and 2i+1 (low, high, low, high).
+        const u32 sel = w >> (16 * i);
+        const u32 first8 = __byte_perm(t0, t1, sel & 0x7777u);
+        const u32 last8 = __byte_perm(t2, t3, sel & 0x7777u);
+        r[i] = __byte_perm(first8, last8, 0x3210u | ((sel & 0x8888u) >> 1));
+    }
+    lo = __byte_perm(r[0], r[1], 0x6420u);  // values of elements 4k..4k+3
+    hi = __byte_perm(r[0], r[1], 0x7531u);  // values of elements 16+4k..16+4k+3
+}
+
+// Decode one block's payload to 8 words of int8 values in activation order (word k = elements 4k..4k+3).
+template <int CB>
+__device__ __forceinline__ void decode_block(const u32 (&w)[Traits<CB>::WORDS], u32 high, int (&v)[8]) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        if (CB == Q8_0) {
+            v[k] = (int)w[k];
+            v[k + 4] = (int)w[k + 4];
+        } else if (CB == IQ4_NL) {
+            u32 lo, hi;
+            iq4nl_lookup(w[k], lo, hi);
+            v[k] = (int)lo;
+            v[k + 4] = (int)hi;
+        } else {
+            u32 lo = w[k] & 0x0F0F0F0Fu, hi = (w[k] >> 4) & 0x0F0F0F0Fu;
+            if (Traits<CB>::HIGH) {
+                lo |= high_bits_to_bytes(high >> (4 * k));
+                hi |= high_bits_to_bytes(high >> (16 + 4 * k));
+            }
+            v[k] = (int)lo;
+            v[k + 4] = (int)hi;
+        }
+    }
+}
+
+template <int CB, int CPT, int MT, bool GRID_SPLIT>
+__global__ void gemv_partial(const u32* __restrict__ payload, const u32* __restrict__ high,
+                             const u16* __restrict__ scale, const u16* __restrict__ minv,
+                             const int* __restrict__ qa, const float* __restrict__ da,
+                             const int* __restrict__ sa, int M, int N, int KB, int width,
+                             float* __restrict__ out) {
+    typedef Traits<CB> T;
+    // Loads of several blocks in flight; fewer when the tile already holds many registers.
+    constexpr int UNROLL = MT * CPT <= 4 ? 4 : (MT * CPT <= 8 ? 2 : 1);
+    extern __shared__ float partials[];  // direct family: [S-1][MT][blockDim.x*CPT]
+
+    const int S = GRID_SPLIT ? gridDim.y : blockDim.y;
+    const int p = GRID_SPLIT ? blockIdx.y : threadIdx.y;
+    const int col0 = (blockIdx.x * blockDim.x + threadIdx.x) * CPT;
+    const bool live = col0 < N;  // the registry guarantees N % CPT == 0
+    const int b_begin = p * width;
+    const int b_end = min(KB, b_begin + width);
+
+    for (int m0 = 0; m0 < M; m0 += MT) {
+        const int rows = min(MT, M - m0);
+        float acc[MT][CPT];
+#pragma unroll
+        for (int r = 0; r < MT; ++r)
+#pragma unroll
+            for (int c = 0; c < CPT; ++c) acc[r][c] = 0.0f;
+
+        if (live) {
+#pragma unroll(UNROLL)
+            for (int b = b_begin; b < b_end; ++b) {
+                // Decode each weight block once per row tile.
+                int v[CPT][8];
+                float dw[CPT], mw[CPT];
+#pragma unroll
+                for (int c = 0; c < CPT; ++c) {
+                    const u64 at = (u64)b * N + col0 + c;
+                    u32 w[T::WORDS];
+#pragma unroll
+                    for (int i = 0; i < T::WORDS / 4; ++i) {
+                        const uint4 x = __ldg(reinterpret_cast<const uint4*>(payload + at * T::WORDS) + i);
+                        w[4 * i] = x.x, w[4 * i + 1] = x.y, w[4 * i + 2] = x.z, w[4 * i + 3] = x.w;
+                    }
+                    decode_block<CB>(w, T::HIGH ? __ldg(high + at) : 0u, v[c]);
+                    dw[c] = half_bits_to_float(__ldg(scale + at));
+                    mw[c] = T::ASYM ? half_bits_to_float(__ldg(minv + at)) : 0.0f;
+                }
+#pragma unroll
+                for (int r = 0; r < MT; ++r) {
+                    if (r < rows) {
+                        const u64 ab = (u64)(m0 + r) * KB + b;
+                        const int4 q0 = __ldg(reinterpret_cast<const int4*>(qa) + 2 * ab);
+                        const int4 q1 = __ldg(reinterpret_cast<const int4*>(qa) + 2 * ab + 1);
+                        const float d_a = __ldg(da + ab);
+                        const int s_a = __ldg(sa + ab);
+#pragma unroll
+                        for (int c = 0; c < CPT; ++c) {
+                            int s = __dp4a(v[c][0], q0.x, 0);
+                            s = __dp4a(v[c][1], q0.y, s);
+                            s = __dp4a(v[c][2], q0.z, s);
+                            s = __dp4a(v[c][3], q0.w, s);
+                            s = __dp4a(v[c][4], q1.x, s);
+                            s = __dp4a(v[c][5], q1.y, s);
+                            s = __dp4a(v[c][6], q1.z, s);
+                            s = __dp4a(v[c][7], q1.w, s);
+                            s -= T::OFFSET * s_a;  // exact: Σ(u - OFFSET)q = Σuq - OFFSET·Σq
+                            float t = __fmul_rn(__fmul_rn(d_a, dw[c]), __int2float_rn(s));
+                            if (T::ASYM) t = __fadd_rn(t, __fmul_rn(__fmul_rn(d_a, mw[c]), __int2float_rn(s_a)));
+                            acc[r][c] = __fadd_rn(acc[r][c], t);
+                        }
+                    }
+                }
+            }
+        }
+
+        if (GRID_SPLIT) {
+            if (live)
+#pragma unroll
+                for (int r = 0; r < MT; ++r)
+                    if (r < rows)
+#pragma unroll
+                        for (int c = 0; c < CPT; ++c) out[((u64)p * M + m0 + r) * N + col0 + c] = acc[r][c];
+        } else {
+            const int stride = blockDim.x * CPT;
+            const int lcol = threadIdx.x * CPT;
+            if (p > 0)
+#pragma unroll
+                for (int r = 0; r < MT; ++r)
+#pragma unroll
+                    for (int c = 0; c < CPT; ++c) partials[((p - 1) * MT + r) * stride + lcol + c] = acc[r][c];
+            if (S > 1) __syncthreads();
+            if (p == 0 && live) {
+#pragma unroll
+                for (int r = 0; r < MT; ++r) {
+                    if (r < rows) {
+#pragma unroll
+                        for (int c = 0; c < CPT; ++c) {
+                            float y = __fadd_rn(0.0f, acc[r][c]);
+                            for (int q = 1; q < S; ++q) y = __fadd_rn(y, partials[((q - 1) * MT + r) * stride + lcol + c]);
+                            out[(u64)(m0 + r) * N + col0 + c] = y;
+                        }
+                    }
+                }
+            }
+            if (S > 1) __syncthreads();  // the partials are reused by the next row tile
+        }
+    }
+}
+
+// kpar's second launch: y = ((0 + acc_0) + acc_1) + ... over the workspace [S][count].
+extern "C" __global__ void fold_partials(const float* __restrict__ ws, int S, int count, float* __restrict__ y) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= count) return;
+    float acc = 0.0f;
+    for (int p = 0; p < S; ++p) acc = __fadd_rn(acc, ws[(u64)p * count + i]);
+    y[i] = acc;
+}
+
+// One warp per (row, block): lane j owns element j.
+extern "C" __global__ void quantize_activations(const float* __restrict__ x, int blocks, signed char* __restrict__ q,
+                                                float* __restrict__ d, int* __restrict__ sums) {
+    const int blk = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const int lane = threadIdx.x & 31;
+    if (blk >= blocks) return;  // uniform per warp
+    const float a = x[(u64)blk * 32 + lane];
+    float amax = fabsf(a);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+    const float d_a = __fdiv_rn(amax, 127.0f);
+    int qi = 0;
+    if (d_a != 0.0f) qi = (int)fminf(fmaxf(rintf(__fdiv_rn(a, d_a)), -127.0f), 127.0f);
+    const int s = __reduce_add_sync(0xffffffffu, qi);
+    q[(u64)blk * 32 + lane] = (signed char)qi;
+    if (lane == 0) {
+        d[blk] = d_a;
+        sums[blk] = s;
+    }
+}

@@ -1,0 +1,171 @@
+"""The arithmetic contract (DESIGN §1) on the CPU, bit for bit: the oracle every GPU candidate must equal.
+
+numpy float32 elementwise operations are single IEEE operations with round-to-nearest-even and no
+contraction, so each ⊗/⊕ of the contract is one numpy operation here, applied in the same order.
+The integer block dot products go through a float32 matmul: every partial sum is an integer of magnitude
+at most 32·127·127 < 2^24, so any summation order is exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kernels.codebooks import BlockFields, block_fields
+from kernels.errors import InputError
+from kernels.layout import PackedWeights, unpack
+
+BLOCK = 32
+QMAX = 127
+# Blocks handled per vectorized step: bounds temporary memory to ~BLOCKS_PER_STEP·M·N floats.
+BLOCKS_PER_STEP = 16
+
+
+@dataclass(frozen=True)
+class QuantizedActivations:
+    q: np.ndarray  # int8 [M, KB, 32]
+    d: np.ndarray  # float32 [M, KB]: d_a = amax / 127
+    sum: np.ndarray  # int32 [M, KB]: Σ_j q_j
+
+    @property
+    def m(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def kb(self) -> int:
+        return self.q.shape[1]
+
+
+def check_activations(x: np.ndarray, k: int | None = None) -> None:
+    """Validate an activation block float32 [M, K]; raise InputError naming the problem."""
+    if not isinstance(x, np.ndarray) or x.ndim != 2 or x.dtype != np.float32:
+        got = f"{x.dtype} array of rank {x.ndim}" if isinstance(x, np.ndarray) else type(x).__name__
+        raise InputError(f"activations must be a 2-D float32 array [M, K], got {got}")
+    m, kx = x.shape
+    if m <= 0 or kx <= 0:
+        raise InputError(f"activations must have M > 0 and K > 0, got shape {x.shape}")
+    if kx % BLOCK:
+        raise InputError(f"activation K={kx} is not a multiple of {BLOCK}")
+    if k is not None and kx != k:
+        raise InputError(f"activation K={kx} does not match the weights' K={k}")
+    if not np.isfinite(x).all():
+        rows = np.unique(np.nonzero(~np.isfinite(x))[0])
+        raise InputError(f"activations contain non-finite values (rows {rows[:8].tolist()}); they must be finite")
+
+
+def quantize_activations(x: np.ndarray) -> QuantizedActivations:
+    """Per row and 32-value block: d_a = amax/127, q = clamp(rint(a/d_a), ±127) (q = 0 where d_a == 0)."""
+    check_activations(x)
+    m, k = x.shape
+    blocks = x.reshape(m, k // BLOCK, BLOCK)
+    d = np.abs(blocks).max(axis=2) / np.float32(QMAX)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        ratio = blocks / d[:, :, None]
+    q = np.where(d[:, :, None] == 0, np.float32(0), np.clip(np.rint(ratio), -QMAX, QMAX)).astype(np.int8)
+    return QuantizedActivations(q=q, d=d.astype(np.float32), sum=q.sum(axis=2, dtype=np.int32))
+
+
+def partition_width(kb: int, ksplit: int) -> int:
+    """w = ceil(KB / ksplit): blocks per K partition."""
+    if ksplit < 1:
+        raise InputError(f"ksplit must be >= 1, got {ksplit}")
+    return -(-kb // ksplit)
+
+
+def effective_split(kb: int, ksplit: int) -> int:
+    """S = ceil(KB / w): the identity of a result. Two ksplits with the same S give the same bytes."""
+    return -(-kb // partition_width(kb, ksplit))
+
+
+def block_terms(fields: BlockFields, qa: QuantizedActivations, b0: int, b1: int) -> np.ndarray:
+    """t_b for blocks [b0, b1): float32 [b1-b0, M, N], each term computed exactly as the contract orders it."""
+    codes = fields.codes[:, b0:b1].astype(np.float32).transpose(1, 2, 0)  # [B, 32, N]
+    q = qa.q[:, b0:b1].astype(np.float32).transpose(1, 0, 2)  # [B, M, 32]
+    s = np.matmul(q, codes)  # exact integers, see module docstring
+    d_a = qa.d[:, b0:b1].T[:, :, None]  # [B, M, 1]
+    d_w = fields.scale[:, b0:b1].T[:, None, :]  # [B, 1, N]
+    t = (d_a * d_w) * s
+    if fields.min is not None:
+        m_w = fields.min[:, b0:b1].T[:, None, :]
+        sum_a = qa.sum[:, b0:b1].T[:, :, None].astype(np.float32)
+        t = t + (d_a * m_w) * sum_a
+    return t
+
+
+def _fields(packed: PackedWeights) -> BlockFields:
+    # Decoding goes through the GGUF bytes, so the emulator also checks that the planes are lossless.
+    return block_fields(packed.codebook, unpack(packed), packed.k)
+
+
+def gemv_quantized(packed: PackedWeights, qa: QuantizedActivations, ksplit: int) -> np.ndarray:
+    """y float32 [M, N] from already-quantized activations, per DESIGN §1 with K split `ksplit`."""
+    if qa.kb != packed.kb:
+        raise InputError(f"activations have {qa.kb} blocks, weights have {packed.kb}")
+    kb = packed.kb
+    width = partition_width(kb, ksplit)
+    y = np.zeros((qa.m, packed.n), dtype=np.float32)
+    fields = _fields(packed)
+    for p0 in range(0, kb, width):
+        acc = np.zeros_like(y)
+        p1 = min(kb, p0 + width)
+        for b0 in range(p0, p1, BLOCKS_PER_STEP):
+            terms = block_terms(fields, qa, b0, min(p1, b0 + BLOCKS_PER_STEP))
+            for term in terms:  # ascending b: the order fixes the bytes
+                acc = acc + term
+        y = y + acc
+    return y
+
+
+def gemv(packed: PackedWeights, x: np.ndarray, ksplit: int = 1) -> np.ndarray:
+    """The contract's result for float32 activations x [M, K]: quantize x, then the split GEMV."""
+    check_activations(x, packed.k)
+    return gemv_quantized(packed, quantize_activations(x), ksplit)
+
+
+def reference(packed: PackedWeights, x: np.ndarray) -> np.ndarray:
+    """float64 y = dequantized(W) · x, the value the quantized result approximates."""
+    check_activations(x, packed.k)
+    w = _dequantized(packed)
+    return x.astype(np.float64) @ w.T
+
+
+def _dequantized(packed: PackedWeights) -> np.ndarray:
+    f = _fields(packed)
+    w = f.scale[:, :, None] * f.codes.astype(np.float32)
+    if f.min is not None:
+        w = w + f.min[:, :, None]
+    return w.reshape(packed.n, packed.k).astype(np.float64)
+
+
+def error_bound(packed: PackedWeights, x: np.ndarray, ksplit: int = 1) -> np.ndarray:
+    """A rigorous bound float64 [M, N] on |gemv(packed, x, ksplit) − reference(packed, x)|.
+
+    Two sources: (1) activation rounding, |a − d_a·q| ≤ d_a·(1/2 + 2^-17) per element (the fp32 quotient
+    a/d_a is off by at most 2^-24·128), except where d_a is subnormal and the clamp or a zero d_a may
+    lose up to amax; (2) fp32 rounding: every term takes ≤ 5 roundings and every output ≤ KB + S more, so
+    |error| ≤ γ_n · Σ_b |exact t_b| with n = KB + S + 5 and γ_n = n·u/(1 − n·u), u = 2^-24; plus u·|W|·|d_a q|
+    for the reference's own rounding of asymmetric weights (fp32 d·c + m).
+    """
+    check_activations(x, packed.k)
+    qa = quantize_activations(x)
+    m, kb = qa.m, packed.kb
+    blocks = np.abs(x.astype(np.float64)).reshape(m, kb, BLOCK)
+    amax = blocks.max(axis=2)
+    d = qa.d.astype(np.float64)
+    normal = d >= np.finfo(np.float32).tiny
+    eps_act = np.where(normal, d * (0.5 + 2.0**-17), np.maximum(amax, d * (0.5 + 2.0**-17)))  # [M, KB]
+    w_abs = np.abs(_dequantized(packed)).reshape(packed.n, kb, BLOCK).sum(axis=2)  # [N, KB]
+    act = eps_act @ w_abs.T
+
+    f = _fields(packed)
+    s = np.einsum("mbj,nbj->mnb", qa.q.astype(np.float64), f.codes.astype(np.float64))
+    exact_t = np.abs(d[:, None, :] * f.scale.astype(np.float64)[None] * s)
+    if f.min is not None:
+        exact_t += np.abs(d[:, None, :] * f.min.astype(np.float64)[None] * qa.sum[:, None, :])
+    n_ops = kb + effective_split(kb, ksplit) + 5
+    u = 2.0**-24
+    gamma = n_ops * u / (1 - n_ops * u)
+    dq = (d[:, :, None] * np.abs(qa.q)).reshape(m, packed.k)
+    weight_rounding = u * (dq @ np.abs(_dequantized(packed)).T) if f.min is not None else 0.0
+    return act + gamma * exact_t.sum(axis=2) + weight_rounding

@@ -1,0 +1,172 @@
+"""Launchers (CuPy): move weights to the device, quantize activations, launch a candidate on a stream.
+
+Every launch goes to an explicit stream; the null stream is refused (DESIGN §3). The module for a codebook is
+compiled once per process by NVRTC with the contract's options, for the device's own architecture.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+import numpy as np
+
+from kernels import program
+from kernels.errors import InputError
+from kernels.layout import PackedWeights
+from kernels.registry import FOLD_THREADS, Candidate, instantiations
+
+try:
+    import cupy
+except ImportError:  # the CPU stages never launch; only calling into this module needs CuPy
+    cupy = None
+
+
+def require_cupy() -> Any:
+    if cupy is None:
+        raise InputError("CuPy is not installed: install the 'cuda' extra (pip install '.[cuda]')")
+    return cupy
+
+
+@dataclass(frozen=True)
+class DeviceWeights:
+    codebook: str
+    n: int
+    k: int
+    payload: Any  # cupy uint32 [KB, N, words]
+    scale: Any  # cupy uint16 (fp16 bits) [KB, N]
+    min: Any | None
+    high: Any | None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.payload, self.scale, self.min, self.high) if a is not None)
+
+
+@dataclass(frozen=True)
+class DeviceActivations:
+    q: Any  # cupy int8 [M, KB, 32]
+    d: Any  # cupy float32 [M, KB]
+    sum: Any  # cupy int32 [M, KB]
+
+    @property
+    def m(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def kb(self) -> int:
+        return self.q.shape[1]
+
+
+def to_device(packed: PackedWeights) -> DeviceWeights:
+    cp = require_cupy()
+
+    def put(plane: np.ndarray | None, view: Any = None) -> Any:
+        if plane is None:
+            return None
+        return cp.asarray(plane.view(view) if view is not None else plane)
+
+    return DeviceWeights(
+        codebook=packed.codebook,
+        n=packed.n,
+        k=packed.k,
+        payload=put(packed.payload),
+        scale=put(packed.scale, np.uint16),
+        min=put(packed.min, np.uint16),
+        high=put(packed.high),
+    )
+
+
+def empty_activations(m: int, k: int) -> DeviceActivations:
+    cp = require_cupy()
+    kb = k // 32
+    return DeviceActivations(
+        q=cp.empty((m, kb, 32), cp.int8), d=cp.empty((m, kb), cp.float32), sum=cp.empty((m, kb), cp.int32)
+    )
+
+
+def check_stream(stream: Any) -> None:
+    cp = require_cupy()
+    if not isinstance(stream, cp.cuda.Stream) or stream.ptr == 0:
+        raise InputError("launches need an explicit CuPy stream (cupy.cuda.Stream(non_blocking=True)), not stream 0")
+
+
+@cache
+def _module(codebook: str | None) -> Any:
+    """The compiled instantiations of one codebook, or (None) the helper kernels; built once per process."""
+    cp = require_cupy()
+    names = [name for cb, name in instantiations() if cb == codebook] if codebook else list(program.HELPER_KERNELS)
+    return cp.RawModule(code=program.source(), options=program.CONTRACT_OPTIONS, name_expressions=names)
+
+
+def _helper(name: str) -> Any:
+    return _module(None).get_function(name)
+
+
+def quantize_activations(x: Any, stream: Any, out: DeviceActivations | None = None) -> DeviceActivations:
+    """Device activation quantization (DESIGN §1) of float32 x [M, K]; non-finite values are rejected."""
+    cp = require_cupy()
+    check_stream(stream)
+    if not isinstance(x, cp.ndarray) or x.dtype != cp.float32 or x.ndim != 2 or not x.flags.c_contiguous:
+        raise InputError("activations must be a C-contiguous 2-D float32 CuPy array [M, K]")
+    m, k = x.shape
+    if m < 1 or k < 32 or k % 32:
+        raise InputError(f"activations have shape {x.shape}; need M >= 1 and K a positive multiple of 32")
+    with stream:
+        if not bool(cp.isfinite(x).all()):
+            raise InputError("activations contain non-finite values; they must be finite")
+    out = out or empty_activations(m, k)
+    blocks = m * (k // 32)
+    threads = 256
+    with stream:
+        _helper("quantize_activations")(
+            ((blocks * 32 + threads - 1) // threads,), (threads,), (x, np.int32(blocks), out.q, out.d, out.sum)
+        )
+    return out
+
+
+def check_launch(candidate: Candidate, weights: DeviceWeights, qact: DeviceActivations, out: Any,
+                 workspace: Any) -> None:
+    cp = require_cupy()
+    m, n, k = qact.m, weights.n, weights.k
+    if qact.kb * 32 != k:
+        raise InputError(f"activations have K={qact.kb * 32}, weights have K={k}")
+    reason = candidate.invalid_reason(m, n, k)
+    if reason:
+        raise InputError(f"candidate {candidate.id} cannot run M={m}, N={n}, K={k}: {reason}")
+    if not isinstance(out, cp.ndarray) or out.dtype != cp.float32 or out.shape != (m, n) or not out.flags.c_contiguous:
+        raise InputError(f"output must be a C-contiguous float32 CuPy array of shape ({m}, {n})")
+    need = candidate.workspace_bytes(m, n, k)
+    if need and (workspace is None or workspace.nbytes < need or workspace.dtype != cp.float32):
+        raise InputError(f"candidate {candidate.id} needs a float32 workspace of {need} bytes")
+    if out.device.id != weights.payload.device.id:
+        raise InputError("output and weights are on different devices")
+
+
+def gemv(candidate: Candidate, weights: DeviceWeights, qact: DeviceActivations, out: Any, stream: Any,
+         workspace: Any = None, validate: bool = True) -> None:
+    """Enqueue y = W·x for quantized activations on `stream`; `out` float32 [M, N] receives y.
+
+    `validate=False` skips the checks for timed loops whose arguments were checked once already."""
+    check_stream(stream)
+    if validate:
+        check_launch(candidate, weights, qact, out, workspace)
+    m, n, k = qact.m, weights.n, weights.k
+    kernel = _module(weights.codebook).get_function(candidate.kernel_name(weights.codebook, m))
+    grid, block = candidate.launch_geometry(m, n, k)
+    target = workspace if candidate.grid_split else out
+    none = np.uint64(0)  # a null pointer for planes this codebook lacks
+    args = (
+        weights.payload, weights.high if weights.high is not None else none, weights.scale,
+        weights.min if weights.min is not None else none, qact.q, qact.d, qact.sum,
+        np.int32(m), np.int32(n), np.int32(k // 32), np.int32(candidate.partition_width(k)), target,
+    )
+    with stream:  # CuPy launches raw kernels on the current stream
+        kernel(grid, block, args, shared_mem=candidate.shared_bytes(m))
+        if candidate.grid_split:
+            count = m * n
+            _helper("fold_partials")(
+                ((count + FOLD_THREADS - 1) // FOLD_THREADS,), (FOLD_THREADS,),
+                (workspace, np.int32(candidate.ksplit), np.int32(count), out),
+            )

@@ -1,0 +1,101 @@
+"""Execution layout (DESIGN §2): GGUF block bytes <-> block-major planes the kernels read.
+
+Planes are [KB][N][...] so the threads of a warp that own consecutive outputs read consecutive 16-byte
+payloads. Packing is a lossless byte shuffle: unpack(pack(blocks)) == blocks, byte for byte.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kernels.codebooks import Codebook, get
+from kernels.errors import InputError
+
+
+@dataclass(frozen=True)
+class PackedWeights:
+    codebook: str  # source format, e.g. "Q4_0"
+    execution: str  # execution codebook key (the runtime dispatch key)
+    n: int
+    k: int
+    payload: np.ndarray  # uint32 [KB, N, payload_bytes/4], GGUF nibble order kept
+    scale: np.ndarray  # float16 [KB, N]
+    min: np.ndarray | None  # float16 [KB, N], asymmetric codebooks only
+    high: np.ndarray | None  # uint32 [KB, N], Q5 formats only
+
+    @property
+    def kb(self) -> int:
+        return self.k // 32
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a kernel must read: every plane once."""
+        return sum(plane.nbytes for plane in self.planes().values())
+
+    def planes(self) -> dict[str, np.ndarray]:
+        """The planes that exist for this codebook, in a fixed order (payload, scale, min, high)."""
+        named = {"payload": self.payload, "scale": self.scale, "min": self.min, "high": self.high}
+        return {name: plane for name, plane in named.items() if plane is not None}
+
+
+def check_blocks(book: Codebook, blocks: np.ndarray, n: int, k: int) -> None:
+    """Validate GGUF block bytes for an N x K matrix; raise InputError naming the problem."""
+    if n <= 0 or k <= 0:
+        raise InputError(f"N and K must be positive, got N={n}, K={k}")
+    if k % 32:
+        raise InputError(f"K={k} is not a multiple of 32")
+    if not isinstance(blocks, np.ndarray) or blocks.dtype != np.uint8 or blocks.ndim != 2:
+        raise InputError(f"{book.name} blocks must be a 2-D uint8 array, got {_describe(blocks)}")
+    expected = (n, k // 32 * book.block_bytes)
+    if blocks.shape != expected:
+        raise InputError(f"{book.name} blocks for N={n}, K={k} must have shape {expected}, got {blocks.shape}")
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, np.ndarray):
+        return f"{value.dtype} array of shape {value.shape}"
+    return type(value).__name__
+
+
+def _field(blocks3: np.ndarray, offset: int, size: int) -> np.ndarray:
+    """Bytes [offset, offset+size) of every block, moved to block-major order [KB, N, size]."""
+    return np.ascontiguousarray(blocks3[:, :, offset : offset + size].transpose(1, 0, 2))
+
+
+def pack(codebook: str, blocks: np.ndarray, n: int, k: int) -> PackedWeights:
+    """GGUF block bytes uint8 [N, KB*block_bytes] -> execution planes."""
+    book = get(codebook)
+    check_blocks(book, blocks, n, k)
+    blocks3 = blocks.reshape(n, k // 32, book.block_bytes)
+    kb = k // 32
+    return PackedWeights(
+        codebook=book.name,
+        execution=book.execution,
+        n=n,
+        k=k,
+        payload=_field(blocks3, book.qs_offset, book.payload_bytes).view(np.uint32).reshape(kb, n, -1),
+        scale=_field(blocks3, 0, 2).view(np.float16).reshape(kb, n),
+        min=_field(blocks3, book.m_offset, 2).view(np.float16).reshape(kb, n) if book.asymmetric else None,
+        high=_field(blocks3, book.qh_offset, 4).view(np.uint32).reshape(kb, n) if book.high_bits else None,
+    )
+
+
+def unpack(packed: PackedWeights) -> np.ndarray:
+    """Execution planes -> the exact GGUF block bytes uint8 [N, KB*block_bytes]."""
+    book = get(packed.codebook)
+    n, kb = packed.n, packed.kb
+    blocks3 = np.empty((n, kb, book.block_bytes), dtype=np.uint8)
+
+    def put(plane: np.ndarray, offset: int) -> None:
+        as_bytes = np.ascontiguousarray(plane).view(np.uint8).reshape(kb, n, -1)
+        blocks3[:, :, offset : offset + as_bytes.shape[2]] = as_bytes.transpose(1, 0, 2)
+
+    put(packed.scale, 0)
+    put(packed.payload, book.qs_offset)
+    if packed.min is not None:
+        put(packed.min, book.m_offset)
+    if packed.high is not None:
+        put(packed.high, book.qh_offset)
+    return blocks3.reshape(n, kb * book.block_bytes)

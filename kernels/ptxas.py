@@ -1,0 +1,68 @@
+"""Build every kernel instantiation with nvcc for a GPU architecture and read ptxas's resource report.
+
+Used by the CPU compile check (no GPU needed): registers, stack frame and spills per kernel.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from kernels import program
+
+_ENTRY = re.compile(r"Compiling entry function '(\w+)' for '(\w+)'")
+_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_REGS = re.compile(r"Used (\d+) registers")
+_TEMPLATE = re.compile(r"gemv_partialILi(\d+)ELi(\d+)ELi(\d+)ELb([01])EE")
+
+
+@dataclass(frozen=True)
+class KernelResources:
+    name: str  # the source-level name, e.g. "gemv_partial<0, 1, 1, false>" or "fold_partials"
+    registers: int
+    stack_bytes: int
+    spill_store_bytes: int
+    spill_load_bytes: int
+
+
+def source_name(mangled: str) -> str:
+    match = _TEMPLATE.search(mangled)
+    if not match:
+        return mangled
+    cb, cpt, mt, split = match.groups()
+    return f"gemv_partial<{cb}, {cpt}, {mt}, {'true' if split == '1' else 'false'}>"
+
+
+def parse_report(text: str) -> list[KernelResources]:
+    """ptxas -v output -> one record per entry function."""
+    found: list[KernelResources] = []
+    name = frame = None
+    for line in text.splitlines():
+        if m := _ENTRY.search(line):
+            name, frame = source_name(m.group(1)), None
+        elif (m := _FRAME.search(line)) and name:
+            frame = tuple(int(g) for g in m.groups())
+        elif (m := _REGS.search(line)) and name and frame:
+            found.append(KernelResources(name, int(m.group(1)), *frame))
+            name = None
+    return found
+
+
+def compile_report(kernel_names: list[str], arch: str = "sm_90") -> list[KernelResources]:
+    """Compile the instantiations with nvcc -Xptxas -v and return their resources."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        raise FileNotFoundError("nvcc is not on PATH")
+    with tempfile.TemporaryDirectory() as tmp:
+        unit = Path(tmp) / "instantiations.cu"
+        unit.write_text(program.explicit_instantiations(kernel_names))
+        cmd = [nvcc, f"-arch={arch}", "-cubin", "-Xptxas", "-v", *program.CONTRACT_OPTIONS,
+               "-o", str(Path(tmp) / "out.cubin"), str(unit)]
+        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if done.returncode:
+        raise RuntimeError(f"nvcc failed ({done.returncode}):\n{done.stderr[-4000:]}")
+    return parse_report(done.stderr + done.stdout)

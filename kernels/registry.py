@@ -1,0 +1,143 @@
+"""Candidate registry (DESIGN §3): every (family, identity S, launch parameters) a shape may use.
+
+A candidate's `ksplit` is a requested split; for a shape its identity is the effective split
+S = ceil(KB / ceil(KB / ksplit)). Spellings with the same S are normalized away: `candidates_for` keeps a
+candidate only where its ksplit is effective (ksplit == S), so each (family, S, launch) appears once.
+
+Row tile: a launch processes M in tiles of MT = min(next power of two >= M, the candidate's tile cap),
+decoding each weight block once per tile. The cap keeps MT·CPT <= 16 accumulators per thread, which keeps
+every instantiation spill-free with registers to spare for loads in flight.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Literal
+
+from kernels.codebooks import CODEBOOKS, get
+from kernels.emulate import effective_split, partition_width
+from kernels.errors import InputError
+
+Family = Literal["wide", "direct", "kpar"]
+CODEBOOK_IDS = {name: i for i, name in enumerate(CODEBOOKS)}  # the `Codebook` enum of gemv.cu
+ROW_TILES = (1, 2, 4, 8, 16)
+MAX_ACCUMULATORS = 16  # MT·CPT per thread
+SHARED_MEMORY_LIMIT = 48 * 1024  # default dynamic shared memory per CTA, no opt-in needed
+FOLD_THREADS = 256
+
+
+def row_tile(m: int, cpt: int) -> int:
+    """MT for M rows: the smallest power of two >= M, capped so MT·CPT <= MAX_ACCUMULATORS."""
+    cap = MAX_ACCUMULATORS // cpt
+    return min(cap, 1 << max(0, (m - 1).bit_length()))
+
+
+@dataclass(frozen=True)
+class Candidate:
+    family: Family
+    ksplit: int  # requested K split; the identity for a shape is effective_split(KB, ksplit)
+    threads: int  # threads along N per CTA (blockDim.x)
+    cpt: int  # consecutive outputs per thread
+
+    @cached_property
+    def id(self) -> str:
+        return f"{self.family}.s{self.ksplit}.t{self.threads}.c{self.cpt}"
+
+    def identity(self, k: int) -> int:
+        return effective_split(k // 32, self.ksplit)
+
+    @property
+    def launches(self) -> int:
+        return 2 if self.family == "kpar" else 1
+
+    @property
+    def grid_split(self) -> bool:
+        return self.family == "kpar"
+
+    def shared_bytes(self, m: int) -> int:
+        """Dynamic shared memory per CTA: the direct family's partials of partitions 1..S-1."""
+        if self.family == "kpar":
+            return 0
+        return (self.ksplit - 1) * row_tile(m, self.cpt) * self.threads * self.cpt * 4
+
+    def workspace_bytes(self, m: int, n: int, k: int) -> int:
+        """kpar's partial sums [S][M][N] fp32; other families need none."""
+        return self.identity(k) * m * n * 4 if self.family == "kpar" else 0
+
+    def invalid_reason(self, m: int, n: int, k: int) -> str | None:
+        """Why this candidate cannot run (M, N, K), or None when it can."""
+        if m < 1 or n < 1 or k < 32 or k % 32:
+            return f"shape M={m}, N={n}, K={k} is not a GEMV shape (M, N >= 1; K a positive multiple of 32)"
+        if n % self.cpt:
+            return f"N={n} is not a multiple of {self.cpt} outputs per thread"
+        if self.identity(k) != self.ksplit:
+            return f"ksplit {self.ksplit} is not effective for KB={k // 32} (it acts as S={self.identity(k)})"
+        if self.family != "kpar" and self.threads * self.ksplit > 1024:
+            return f"{self.threads}x{self.ksplit} threads exceed 1024 per CTA"
+        if self.shared_bytes(m) > SHARED_MEMORY_LIMIT:
+            return f"needs {self.shared_bytes(m)} bytes of shared memory (limit {SHARED_MEMORY_LIMIT})"
+        return None
+
+    def valid(self, m: int, n: int, k: int) -> bool:
+        return self.invalid_reason(m, n, k) is None
+
+    def kernel_name(self, codebook: str, m: int) -> str:
+        """The template instantiation (NVRTC name expression) this candidate launches for M rows."""
+        cb = CODEBOOK_IDS[get(codebook).name]
+        split = "true" if self.grid_split else "false"
+        return f"gemv_partial<{cb}, {self.cpt}, {row_tile(m, self.cpt)}, {split}>"
+
+    def launch_geometry(self, m: int, n: int, k: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+        """(grid, block) of the main launch."""
+        columns = -(-n // (self.threads * self.cpt))
+        if self.family == "kpar":
+            return (columns, self.ksplit, 1), (self.threads, 1, 1)
+        return (columns, 1, 1), (self.threads, self.ksplit, 1)
+
+    def partition_width(self, k: int) -> int:
+        return partition_width(k // 32, self.ksplit)
+
+
+def _build() -> tuple[Candidate, ...]:
+    # wide: S = 1, tiles along N only; made for large N.
+    wide = [Candidate("wide", 1, t, c) for t, c in ((128, 1), (256, 1), (128, 2), (64, 4))]
+    # direct: S partitions inside the CTA; made for mid-size N, one launch.
+    direct = [
+        Candidate("direct", s, t, 1) for t in (32, 64) for s in (2, 4, 8, 16) if t * s <= 512
+    ]
+    # kpar: S partitions across CTAs, a fold launch; made for small N with long K.
+    kpar = [Candidate("kpar", s, t, c) for s in (2, 4, 8, 16, 32, 64) for t, c in ((128, 1), (64, 2))]
+    return tuple(wide + direct + kpar)
+
+
+CANDIDATES: tuple[Candidate, ...] = _build()
+BY_ID: dict[str, Candidate] = {c.id: c for c in CANDIDATES}
+
+
+def by_id(candidate_id: str) -> Candidate:
+    try:
+        return BY_ID[candidate_id]
+    except KeyError:
+        raise InputError(f"unknown candidate {candidate_id!r}; known: {', '.join(BY_ID)}") from None
+
+
+def candidates_for(m: int, n: int, k: int) -> list[Candidate]:
+    """Candidates valid for (M, N, K), each identity spelled once (ksplit == effective S)."""
+    return [c for c in CANDIDATES if c.valid(m, n, k)]
+
+
+def identities(m: int, n: int, k: int) -> list[int]:
+    """The distinct identities S available for a shape at M rows."""
+    return sorted({c.ksplit for c in candidates_for(m, n, k)})
+
+
+def instantiations() -> list[tuple[str, str]]:
+    """Every (codebook, kernel name) any candidate may launch: the set the compile check covers."""
+    names = set()
+    for codebook in CODEBOOKS:
+        for cand in CANDIDATES:
+            for mt in ROW_TILES:
+                if mt * cand.cpt <= MAX_ACCUMULATORS:
+                    names.add((codebook, cand.kernel_name(codebook, mt)))
+    return sorted(names)

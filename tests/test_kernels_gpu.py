@@ -1,0 +1,147 @@
+"""GPU kernels against the CPU emulator, byte for byte (DESIGN §1, §3, §7). Marker `gpu`."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kernels import emulate, layout
+from kernels.codebooks import CODEBOOKS, quantize
+from kernels.errors import InputError
+from kernels.registry import CANDIDATES, candidates_for
+
+pytestmark = pytest.mark.gpu
+
+M_SET = (*range(1, 17), 31)
+POISON = np.uint32(0x7FBADBAD)  # a NaN pattern no kernel writes
+
+
+@pytest.fixture(scope="module")
+def cp():
+    import cupy
+
+    return cupy
+
+
+@pytest.fixture(scope="module")
+def stream(cp):
+    return cp.cuda.Stream(non_blocking=True)
+
+
+def bits(a) -> np.ndarray:
+    return np.ascontiguousarray(a).view(np.uint32)
+
+
+def make_weights(codebook: str, n: int, k: int, rng: np.random.Generator) -> layout.PackedWeights:
+    w = rng.standard_normal((n, k), dtype=np.float32) * rng.uniform(0.01, 2.0, size=(n, 1)).astype(np.float32)
+    return layout.pack(codebook, quantize(codebook, w), n, k)
+
+
+def adversarial_activations(m: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    x = rng.standard_normal((m, k), dtype=np.float32)
+    blocks = x.reshape(m, k // 32, 32)
+    blocks[:, 0] = 0.0  # all-zero block
+    blocks[:, 1] *= np.float32(1e-40)  # subnormal block
+    blocks[:, 2, ::2] = -0.0
+    if k >= 160:
+        blocks[:, 3] *= np.float32(1e37)  # near the fp32 maximum
+        blocks[:, 4, 7] = np.float32(3e4)  # one huge outlier
+    return x
+
+
+def run(cp, stream, cand, weights, x_np, *, qact=None):
+    from kernels import launch
+
+    m = x_np.shape[0]
+    x = cp.asarray(x_np)
+    qact = qact or launch.quantize_activations(x, stream)
+    out = cp.asarray(np.full((m, weights.n), POISON, dtype=np.uint32)).view(cp.float32)
+    need = cand.workspace_bytes(m, weights.n, weights.k)
+    ws = cp.full(max(need // 4, 1), np.nan, dtype=cp.float32) if need else None
+    launch.gemv(cand, weights, qact, out, stream, workspace=ws)
+    stream.synchronize()
+    return cp.asnumpy(out)
+
+
+@pytest.mark.parametrize("codebook", CODEBOOKS)
+def test_activation_kernel_matches_emulator(cp, stream, codebook):
+    from kernels import launch
+
+    rng = np.random.default_rng()
+    x = adversarial_activations(7, 4128, rng)
+    q = launch.quantize_activations(cp.asarray(x), stream)
+    stream.synchronize()
+    ref = emulate.quantize_activations(x)
+    assert np.array_equal(cp.asnumpy(q.q), ref.q)
+    assert np.array_equal(bits(cp.asnumpy(q.d)), bits(ref.d))
+    assert np.array_equal(cp.asnumpy(q.sum), ref.sum)
+
+
+@pytest.mark.parametrize("codebook", CODEBOOKS)
+@pytest.mark.parametrize("n,k,m_set", [(1000, 4128, M_SET), (4096, 14336, (1, 5, 16, 31))])
+def test_candidates_equal_emulator_and_serial_m1(cp, stream, codebook, n, k, m_set):
+    """Every candidate: bytes == emulator; grouped M == M serial M=1 launches; repeat identical;
+    permuted rows permute outputs; every element written."""
+    from kernels import launch
+
+    rng = np.random.default_rng()
+    packed = make_weights(codebook, n, k, rng)
+    weights = launch.to_device(packed)
+    m_max = max(m_set)
+    x = adversarial_activations(m_max, k, rng)
+    qa = emulate.quantize_activations(x)
+    expected: dict[int, np.ndarray] = {}
+    cands = candidates_for(m_max, n, k)
+    assert {c.family for c in cands} == {"wide", "direct", "kpar"}
+    for cand in cands:
+        s = cand.ksplit
+        if s not in expected:
+            expected[s] = bits(emulate.gemv_quantized(packed, qa, s))
+        serial = np.stack([bits(run(cp, stream, cand, weights, x[r : r + 1]))[0] for r in range(m_max)])
+        assert np.array_equal(serial, expected[s]), f"{cand.id} M=1 differs from the emulator"
+        for m in m_set:
+            if not cand.valid(m, n, k):
+                continue
+            grouped = bits(run(cp, stream, cand, weights, x[:m]))
+            assert np.array_equal(grouped, serial[:m]), f"{cand.id} M={m} grouped != serial"
+        again = bits(run(cp, stream, cand, weights, x))
+        assert np.array_equal(again, serial), f"{cand.id} repeated launch differs"
+        perm = rng.permutation(m_max)
+        permuted = bits(run(cp, stream, cand, weights, x[perm]))
+        assert np.array_equal(permuted, serial[perm]), f"{cand.id} row permutation not exact"
+        assert not (again == POISON).any()
+
+
+def test_negative_control_identities_differ(cp, stream):
+    """Two different identities on random data must give different bytes: the checks above can fail."""
+    rng = np.random.default_rng()
+    n, k = 1000, 4128
+    packed = make_weights("Q4_0", n, k, rng)
+    from kernels import launch
+
+    weights = launch.to_device(packed)
+    x = rng.standard_normal((4, k), dtype=np.float32)
+    wide = next(c for c in CANDIDATES if c.family == "wide" and c.valid(4, n, k))
+    kpar = next(c for c in CANDIDATES if c.family == "kpar" and c.ksplit == 8 and c.valid(4, n, k))
+    assert not np.array_equal(bits(run(cp, stream, wide, weights, x)), bits(run(cp, stream, kpar, weights, x)))
+
+
+def test_bad_launches_are_refused(cp, stream):
+    from kernels import launch
+
+    rng = np.random.default_rng()
+    weights = launch.to_device(make_weights("Q8_0", 64, 256, rng))
+    x = cp.asarray(rng.standard_normal((2, 256), dtype=np.float32))
+    with pytest.raises(InputError, match="stream 0"):
+        launch.quantize_activations(x, cp.cuda.Stream.null)
+    bad = x.copy()
+    bad[1, 3] = cp.inf
+    with pytest.raises(InputError, match="non-finite"):
+        launch.quantize_activations(bad, stream)
+    qact = launch.quantize_activations(x, stream)
+    kpar = next(c for c in CANDIDATES if c.family == "kpar" and c.valid(2, 64, 256))
+    out = cp.empty((2, 64), cp.float32)
+    with pytest.raises(InputError, match="workspace"):
+        launch.gemv(kpar, weights, qact, out, stream)
+    with pytest.raises(InputError, match="shape"):
+        launch.gemv(CANDIDATES[0], weights, qact, cp.empty((3, 64), cp.float32), stream)
