@@ -52,17 +52,24 @@ def parse_report(text: str) -> list[KernelResources]:
     return found
 
 
-def compile_report(kernel_names: list[str], arch: str = "sm_90") -> list[KernelResources]:
-    """Compile the instantiations with nvcc -Xptxas -v and return their resources."""
+@dataclass(frozen=True)
+class Build:
+    resources: list[KernelResources]
+    ptx: str  # the PTX the cubin was assembled from
+
+
+def compile_report(kernel_names: list[str], arch: str = "sm_90") -> Build:
+    """Compile the instantiations with nvcc -Xptxas -v, with the options CuPy's NVRTC build ends up with."""
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         raise FileNotFoundError("nvcc is not on PATH")
     with tempfile.TemporaryDirectory() as tmp:
         unit = Path(tmp) / "instantiations.cu"
         unit.write_text(program.explicit_instantiations(kernel_names))
-        cmd = [nvcc, f"-arch={arch}", "-cubin", "-Xptxas", "-v", *program.CONTRACT_OPTIONS,
-               "-o", str(Path(tmp) / "out.cubin"), str(unit)]
+        cmd = [nvcc, f"-arch={arch}", "-cubin", "-Xptxas", "-v", *program.CONTRACT_OPTIONS, *program.FORCED_BY_CUPY,
+               "--keep", "--keep-dir", tmp, "-o", str(Path(tmp) / "out.cubin"), str(unit)]
         done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if done.returncode:
-        raise RuntimeError(f"nvcc failed ({done.returncode}):\n{done.stderr[-4000:]}")
-    return parse_report(done.stderr + done.stdout)
+        if done.returncode:
+            raise RuntimeError(f"nvcc failed ({done.returncode}):\n{done.stderr[-4000:]}")
+        ptx = "".join(p.read_text() for p in Path(tmp).glob("*.ptx"))
+    return Build(parse_report(done.stderr + done.stdout), ptx)

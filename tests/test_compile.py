@@ -17,14 +17,19 @@ needs_nvcc = pytest.mark.skipif(
 @needs_nvcc
 def test_every_instantiation_compiles_spill_free_for_sm90():
     names = sorted({name for _, name in instantiations()})
-    report = compile_report(names, "sm_90")
+    build = compile_report(names, "sm_90")
+    report = build.resources
     by_name = {r.name: r for r in report}
     assert set(names) | set(program.HELPER_KERNELS) == set(by_name), "ptxas reported other kernels than built"
     offenders = [r for r in report if r.stack_bytes or r.spill_store_bytes or r.spill_load_bytes]
     assert not offenders, f"stack frame or spills: {offenders}"
     # Registers per thread, recorded in the test log (pytest -rA shows it).
     print("\n".join(f"{r.registers:4d} regs  {r.name}" for r in sorted(report, key=lambda r: r.name)))
-    assert all(0 < r.registers <= 255 for r in report)
+    assert all(0 < r.registers <= 128 for r in report), "__launch_bounds__(512) caps registers at 128"
+    # CuPy builds with -ftz=true: the contract's float operations must not be flushing variants.
+    assert build.ptx.count(".entry") == len(report)
+    flushing = sorted({line.split()[0] for line in build.ptx.splitlines() if ".ftz" in line})
+    assert not flushing, f"flush-to-zero instructions in the PTX: {flushing}"
 
 
 def test_report_parser_flags_spills():

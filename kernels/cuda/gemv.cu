@@ -7,10 +7,12 @@
 //             folded by fold_partials
 //   quantize_activations: x float32 [M][K] -> q int8 [M][KB][32], d_a float [M][KB], sum_a int [M][KB]
 //
-// Arithmetic identity: every float operation is one IEEE fp32 rounding (__fmul_rn/__fadd_rn/__fdiv_rn are
-// never contracted into FMA); block dot products are exact int32 dp4a; accumulation order is fixed by the
-// contract (ascending blocks inside a partition, then ascending partitions from 0.0f). Launch parameters
-// (CPT, MT, threads, family) therefore never change a bit of the output.
+// Arithmetic identity: every float operation is one IEEE fp32 rounding, written as explicit PTX (add.rn,
+// mul.rn, div.rn, cvt.rni, abs, max, min without .ftz): never contracted into FMA, and immune to the
+// compiler's flush-to-zero flag, which CuPy forces on (-ftz=true) for every NVRTC build. Block dot
+// products are exact int32 dp4a; accumulation order is fixed by the contract (ascending blocks inside a
+// partition, then ascending partitions from 0.0f). Launch parameters (CPT, MT, threads, family) therefore
+// never change a bit of the output.
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -25,6 +27,36 @@ struct Traits {
     static constexpr bool HIGH = CB == Q5_0 || CB == Q5_1;                 // u32 high-bit plane
     static constexpr int OFFSET = CB == Q4_0 ? 8 : (CB == Q5_0 ? 16 : 0);  // code = stored value - OFFSET
 };
+
+#define F32_BINARY(name, op)                                           \
+    __device__ __forceinline__ float name(float a, float b) {          \
+        float r;                                                       \
+        asm(op " %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));             \
+        return r;                                                      \
+    }
+F32_BINARY(add_rn, "add.rn.f32")
+F32_BINARY(mul_rn, "mul.rn.f32")
+F32_BINARY(div_rn, "div.rn.f32")
+F32_BINARY(max_f32, "max.f32")
+F32_BINARY(min_f32, "min.f32")
+
+__device__ __forceinline__ float abs_f32(float a) {
+    float r;
+    asm("abs.f32 %0, %1;" : "=f"(r) : "f"(a));
+    return r;
+}
+
+__device__ __forceinline__ float rint_f32(float a) {  // round half to even
+    float r;
+    asm("cvt.rni.f32.f32 %0, %1;" : "=f"(r) : "f"(a));
+    return r;
+}
+
+__device__ __forceinline__ int to_int_rz(float a) {
+    int r;
+    asm("cvt.rzi.s32.f32 %0, %1;" : "=r"(r) : "f"(a));
+    return r;
+}
 
 __device__ __forceinline__ float half_bits_to_float(u16 h) {
     float f;
@@ -78,6 +110,7 @@ __device__ __forceinline__ void decode_block(const u32 (&w)[Traits<CB>::WORDS], 
     }
 }
 
+// 512 threads at most (direct: threads x S <= 512) caps registers at 128 so every launch fits an SM.
 template <int CB, int CPT, int MT, bool GRID_SPLIT>
 __global__ void gemv_partial(const u32* __restrict__ payload, const u32* __restrict__ high,
                              const u16* __restrict__ scale, const u16* __restrict__ minv,
@@ -86,7 +119,7 @@ __global__ void gemv_partial(const u32* __restrict__ payload, const u32* __restr
                              float* __restrict__ out) {
     typedef Traits<CB> T;
     // Loads of several blocks in flight; fewer when the tile already holds many registers.
-    constexpr int UNROLL = MT * CPT <= 4 ? 4 : (MT * CPT <= 8 ? 2 : 1);
+    constexpr int UNROLL = MT * CPT <= 2 ? 4 : (MT * CPT <= 4 ? 2 : 1);
     extern __shared__ float partials[];  // direct family: [S-1][MT][blockDim.x*CPT]
 
     const int S = GRID_SPLIT ? gridDim.y : blockDim.y;
@@ -142,9 +175,9 @@ __global__ void gemv_partial(const u32* __restrict__ payload, const u32* __restr
                             s = __dp4a(v[c][6], q1.z, s);
                             s = __dp4a(v[c][7], q1.w, s);
                             s -= T::OFFSET * s_a;  // exact: Σ(u - OFFSET)q = Σuq - OFFSET·Σq
-                            float t = __fmul_rn(__fmul_rn(d_a, dw[c]), __int2float_rn(s));
-                            if (T::ASYM) t = __fadd_rn(t, __fmul_rn(__fmul_rn(d_a, mw[c]), __int2float_rn(s_a)));
-                            acc[r][c] = __fadd_rn(acc[r][c], t);
+                            float t = mul_rn(mul_rn(d_a, dw[c]), __int2float_rn(s));
+                            if (T::ASYM) t = add_rn(t, mul_rn(mul_rn(d_a, mw[c]), __int2float_rn(s_a)));
+                            acc[r][c] = add_rn(acc[r][c], t);
                         }
                     }
                 }
@@ -173,8 +206,8 @@ __global__ void gemv_partial(const u32* __restrict__ payload, const u32* __restr
                     if (r < rows) {
 #pragma unroll
                         for (int c = 0; c < CPT; ++c) {
-                            float y = __fadd_rn(0.0f, acc[r][c]);
-                            for (int q = 1; q < S; ++q) y = __fadd_rn(y, partials[((q - 1) * MT + r) * stride + lcol + c]);
+                            float y = add_rn(0.0f, acc[r][c]);
+                            for (int q = 1; q < S; ++q) y = add_rn(y, partials[((q - 1) * MT + r) * stride + lcol + c]);
                             out[(u64)(m0 + r) * N + col0 + c] = y;
                         }
                     }
@@ -190,7 +223,7 @@ extern "C" __global__ void fold_partials(const float* __restrict__ ws, int S, in
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= count) return;
     float acc = 0.0f;
-    for (int p = 0; p < S; ++p) acc = __fadd_rn(acc, ws[(u64)p * count + i]);
+    for (int p = 0; p < S; ++p) acc = add_rn(acc, ws[(u64)p * count + i]);
     y[i] = acc;
 }
 
@@ -201,12 +234,13 @@ extern "C" __global__ void quantize_activations(const float* __restrict__ x, int
     const int lane = threadIdx.x & 31;
     if (blk >= blocks) return;  // uniform per warp
     const float a = x[(u64)blk * 32 + lane];
-    float amax = fabsf(a);
+    float amax = abs_f32(a);
 #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-    const float d_a = __fdiv_rn(amax, 127.0f);
+    for (int off = 16; off > 0; off >>= 1) amax = max_f32(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+    const float d_a = div_rn(amax, 127.0f);
     int qi = 0;
-    if (d_a != 0.0f) qi = (int)fminf(fmaxf(rintf(__fdiv_rn(a, d_a)), -127.0f), 127.0f);
+    if (__float_as_uint(d_a) != 0u)  // a bit test: a float compare would flush a subnormal d_a under ftz
+        qi = to_int_rz(min_f32(max_f32(rint_f32(div_rn(a, d_a)), -127.0f), 127.0f));
     const int s = __reduce_add_sync(0xffffffffu, qi);
     q[(u64)blk * 32 + lane] = (signed char)qi;
     if (lane == 0) {
