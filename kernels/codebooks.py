@@ -268,7 +268,7 @@ def _q8_0(wb: np.ndarray) -> np.ndarray:
     # Round half away from zero, computed exactly as gguf's np_roundf (floor of twice the fraction).
     a = np.abs(x)
     fl = np.floor(a)
-    q = np.rint(x)
+    q = np.sign(x) * (fl + np.floor(np.float32(2) * (a - fl)))
     return np.concatenate([_fp16_bytes(d), q.astype(np.int8).view(np.uint8)], axis=-1)
 
 

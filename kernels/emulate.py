@@ -18,6 +18,9 @@ from kernels.layout import PackedWeights, unpack
 
 BLOCK = 32
 QMAX = 127
+# Every NaN a GPU float operation produces is the canonical 0x7FFFFFFF (PTX); numpy's x86 NaNs carry
+# other bits, so the emulator writes NaN results (inf − inf after an overflow) as the GPU does.
+CANONICAL_NAN = np.uint32(0x7FFFFFFF).view(np.float32)
 # Blocks handled per vectorized step: bounds temporary memory to ~BLOCKS_PER_STEP·M·N floats.
 BLOCKS_PER_STEP = 16
 
@@ -106,6 +109,14 @@ def gemv_quantized(packed: PackedWeights, qa: QuantizedActivations, ksplit: int)
     width = partition_width(kb, ksplit)
     y = np.zeros((qa.m, packed.n), dtype=np.float32)
     fields = _fields(packed)
+    with np.errstate(over="ignore", invalid="ignore"):  # overflow to ±inf is part of the contract
+        _accumulate(fields, qa, kb, width, y)
+    y[np.isnan(y)] = CANONICAL_NAN
+    return y
+
+
+def _accumulate(fields: BlockFields, qa: QuantizedActivations, kb: int, width: int, y: np.ndarray) -> None:
+    """y ⊕= acc_p over partitions of `width` blocks, in place, in the contract's order."""
     for p0 in range(0, kb, width):
         acc = np.zeros_like(y)
         p1 = min(kb, p0 + width)
@@ -113,8 +124,7 @@ def gemv_quantized(packed: PackedWeights, qa: QuantizedActivations, ksplit: int)
             terms = block_terms(fields, qa, b0, min(p1, b0 + BLOCKS_PER_STEP))
             for term in terms:  # ascending b: the order fixes the bytes
                 acc = acc + term
-        y = y + acc
-    return y
+        y[...] = y + acc
 
 
 def gemv(packed: PackedWeights, x: np.ndarray, ksplit: int = 1) -> np.ndarray:

@@ -5,8 +5,8 @@ S = ceil(KB / ceil(KB / ksplit)). Spellings with the same S are normalized away:
 candidate only where its ksplit is effective (ksplit == S), so each (family, S, launch) appears once.
 
 Row tile: a launch processes M in tiles of MT = min(next power of two >= M, the candidate's tile cap),
-decoding each weight block once per tile. The cap keeps MT·CPT <= 16 accumulators per thread, which keeps
-every instantiation spill-free with registers to spare for loads in flight.
+decoding each weight block once per tile. The cap keeps MT·CPT <= 32 accumulators per thread, which keeps
+every instantiation spill-free under the 128-register cap.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from kernels.errors import InputError
 Family = Literal["wide", "direct", "kpar"]
 CODEBOOK_IDS = {name: i for i, name in enumerate(CODEBOOKS)}  # the `Codebook` enum of gemv.cu
 ROW_TILES = (1, 2, 4, 8, 16)
-MAX_ACCUMULATORS = 16  # MT·CPT per thread
+MAX_ACCUMULATORS = 32  # MT·CPT per thread
 SHARED_MEMORY_LIMIT = 48 * 1024  # default dynamic shared memory per CTA, no opt-in needed
 FOLD_THREADS = 256
 

@@ -32,6 +32,20 @@ def bits(a) -> np.ndarray:
     return np.ascontiguousarray(a).view(np.uint32)
 
 
+def assert_same_bits(got: np.ndarray, want: np.ndarray, what: str) -> None:
+    """Byte equality (+0/−0 and NaN payloads distinct); on failure name the first differing element."""
+    got, want = bits(got), bits(want)
+    if got.shape == want.shape and np.array_equal(got, want):
+        return
+    assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
+    where = np.argwhere(got != want)
+    r, c = where[0]
+    raise AssertionError(
+        f"{what}: {len(where)} of {got.size} elements differ; first at [{r}, {c}]: got {got[r, c]:#010x} "
+        f"({got.view(np.float32)[r, c]!r}), want {want[r, c]:#010x} ({want.view(np.float32)[r, c]!r})"
+    )
+
+
 def make_weights(codebook: str, n: int, k: int, rng: np.random.Generator) -> layout.PackedWeights:
     w = rng.standard_normal((n, k), dtype=np.float32) * rng.uniform(0.01, 2.0, size=(n, 1)).astype(np.float32)
     return layout.pack(codebook, quantize(codebook, w), n, k)
@@ -98,17 +112,14 @@ def test_candidates_equal_emulator_and_serial_m1(cp, stream, codebook, n, k, m_s
         if s not in expected:
             expected[s] = bits(emulate.gemv_quantized(packed, qa, s))
         serial = np.stack([bits(run(cp, stream, cand, weights, x[r : r + 1]))[0] for r in range(m_max)])
-        assert np.array_equal(serial, expected[s]), f"{cand.id} M=1 differs from the emulator"
+        assert_same_bits(serial, expected[s], f"{codebook} {cand.id} serial M=1 vs emulator")
         for m in m_set:
-            if not cand.valid(m, n, k):
-                continue
-            grouped = bits(run(cp, stream, cand, weights, x[:m]))
-            assert np.array_equal(grouped, serial[:m]), f"{cand.id} M={m} grouped != serial"
+            if cand.valid(m, n, k):
+                assert_same_bits(run(cp, stream, cand, weights, x[:m]), serial[:m], f"{cand.id} M={m} grouped vs serial")
         again = bits(run(cp, stream, cand, weights, x))
-        assert np.array_equal(again, serial), f"{cand.id} repeated launch differs"
+        assert_same_bits(again, serial, f"{cand.id} repeated launch")
         perm = rng.permutation(m_max)
-        permuted = bits(run(cp, stream, cand, weights, x[perm]))
-        assert np.array_equal(permuted, serial[perm]), f"{cand.id} row permutation not exact"
+        assert_same_bits(run(cp, stream, cand, weights, x[perm]), serial[perm], f"{cand.id} row permutation")
         assert not (again == POISON).any()
 
 
