@@ -23,10 +23,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dispatch.timing import Launch, Stats, TimingConfig, copies_for_cold_l2, time_candidates  # noqa: E402
-from kernels import launch  # noqa: E402
-from kernels.codebooks import CODEBOOKS, get  # noqa: E402
-from kernels.registry import candidates_for  # noqa: E402
+from dispatch.timing import Launch, Stats, TimingConfig, copies_for_cold_l2, time_candidates
+from kernels import launch
+from kernels.codebooks import CODEBOOKS, get
+from kernels.registry import candidates_for
 
 ANCHORS = [(4096, 4096), (14336, 4096), (4096, 14336), (5120, 5120), (27648, 5120), (5120, 27648),
            (151936, 4096), (1024, 4096), (512, 2048)]

@@ -82,7 +82,9 @@ assert tuple(_BOOKS) == CODEBOOKS
 def get(name: str) -> Codebook:
     """The codebook called `name` (case-insensitive)."""
     if not isinstance(name, str):
-        raise InputError(f"codebook must be a name (str), got {type(name).__name__}; known: {', '.join(CODEBOOKS)}")
+        raise InputError(
+            f"codebook must be a name (str), got {type(name).__name__}; known: {', '.join(CODEBOOKS)}"
+        )
     book = _BOOKS.get(name.upper())
     if book is None:
         raise InputError(f"unknown codebook {name!r}; known: {', '.join(CODEBOOKS)}")
@@ -120,7 +122,9 @@ def _check_weights(book: Codebook, w: object) -> np.ndarray:
         raise InputError(f"{book.name} quantize: K={k} is not a multiple of {QK}")
     if not np.isfinite(w).all():
         bad = np.argwhere(~np.isfinite(w))[0]
-        raise InputError(f"{book.name} quantize: w has non-finite values (first at row {bad[0]}, col {bad[1]})")
+        raise InputError(
+            f"{book.name} quantize: w has non-finite values (first at row {bad[0]}, col {bad[1]})"
+        )
     return np.ascontiguousarray(w)
 
 
@@ -188,7 +192,8 @@ def dequantize(codebook: str, blocks: np.ndarray, k: int) -> np.ndarray:
     """GGUF block bytes uint8 [N, KB*block_bytes] -> float32 [N, K].
 
     scale*code (+min), one fp32 rounding per operation: the same operations, in the same order, as gguf
-    (multiplication commutes bitwise, so code*scale == scale*code)."""
+    (multiplication commutes bitwise, so code*scale == scale*code). For finite scales the product is even
+    exact (11-bit fp16 significand times an 8-bit code), so the only rounding is the asymmetric +min."""
     f = block_fields(codebook, blocks, k)
     with np.errstate(over="ignore", invalid="ignore"):  # arbitrary bytes may hold inf/nan scales
         w = f.codes.astype(np.float32) * f.scale[:, :, None]

@@ -77,8 +77,16 @@ def partition_width(kb: int, ksplit: int) -> int:
 
 
 def effective_split(kb: int, ksplit: int) -> int:
-    """S = ceil(KB / w): the identity of a result. Two ksplits with the same S give the same bytes."""
+    """S = ceil(KB / w). Two ksplits with the same S give the same bytes."""
     return -(-kb // partition_width(kb, ksplit))
+
+
+def identity(kb: int, ksplit: int) -> int:
+    """The identity of a result: S, except that partitions of one block (w = 1) are the same as S = 1.
+
+    With w = 1 every partition is 0 ⊕ t_b, which differs from t_b only by turning −0 into +0, and the
+    running sum of S = 1 is never −0 either: the two give the same bytes for every input."""
+    return 1 if partition_width(kb, ksplit) == 1 else effective_split(kb, ksplit)
 
 
 def block_terms(fields: BlockFields, qa: QuantizedActivations, b0: int, b1: int) -> np.ndarray:
@@ -155,7 +163,10 @@ def error_bound(packed: PackedWeights, x: np.ndarray, ksplit: int = 1) -> np.nda
     a/d_a is off by at most 2^-24·128), except where d_a is subnormal and the clamp or a zero d_a may
     lose up to amax; (2) fp32 rounding: every term takes ≤ 5 roundings and every output ≤ KB + S more, so
     |error| ≤ γ_n · Σ_b |exact t_b| with n = KB + S + 5 and γ_n = n·u/(1 − n·u), u = 2^-24; plus u·|W|·|d_a q|
-    for the reference's own rounding of asymmetric weights (fp32 d·c + m).
+    for the reference's own rounding of asymmetric weights (fp32 d·c + m); (3) underflow: a rounding in
+    the subnormal range errs by up to η = 2^-150 absolutely, amplified by at most |s| (or |sum_a|) in the
+    same term, so each term adds η·(2|s| + 2|sum_a| + 8) and each accumulation η. Where the result is not
+    finite (an intermediate overflowed) the bound is inf.
     """
     check_activations(x, packed.k)
     qa = quantize_activations(x)
@@ -178,4 +189,9 @@ def error_bound(packed: PackedWeights, x: np.ndarray, ksplit: int = 1) -> np.nda
     gamma = n_ops * u / (1 - n_ops * u)
     dq = (d[:, :, None] * np.abs(qa.q)).reshape(m, packed.k)
     weight_rounding = u * (dq @ np.abs(_dequantized(packed)).T) if f.min is not None else 0.0
-    return act + gamma * exact_t.sum(axis=2) + weight_rounding
+    eta = 2.0**-150
+    underflow = eta * (2 * np.abs(s) + 2 * np.abs(qa.sum.astype(np.float64))[:, None, :] + 8).sum(axis=2)
+    underflow += eta * n_ops
+    bound = act + gamma * exact_t.sum(axis=2) + weight_rounding + underflow
+    finite = np.isfinite(gemv_quantized(packed, qa, ksplit))
+    return np.where(finite, bound, np.inf)

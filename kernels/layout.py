@@ -60,8 +60,10 @@ def _describe(value: object) -> str:
 
 
 def _field(blocks3: np.ndarray, offset: int, size: int) -> np.ndarray:
-    """Bytes [offset, offset+size) of every block, moved to block-major order [KB, N, size]."""
-    return np.ascontiguousarray(blocks3[:, :, offset : offset + size].transpose(1, 0, 2))
+    """Bytes [offset, offset+size) of every block, moved to block-major order [KB, N, size].
+
+    Always a fresh, aligned copy: planes never alias the caller's buffer (even when N = KB = 1)."""
+    return blocks3[:, :, offset : offset + size].transpose(1, 0, 2).copy()
 
 
 def pack(codebook: str, blocks: np.ndarray, n: int, k: int) -> PackedWeights:

@@ -1,11 +1,13 @@
 """Candidate registry (DESIGN §3): every (family, identity S, launch parameters) a shape may use.
 
-A candidate's `ksplit` is a requested split; for a shape its identity is the effective split
-S = ceil(KB / ceil(KB / ksplit)). Spellings with the same S are normalized away: `candidates_for` keeps a
-candidate only where its ksplit is effective (ksplit == S), so each (family, S, launch) appears once.
+A candidate's `ksplit` is a requested split; for a shape it acts as the effective split
+S = ceil(KB / ceil(KB / ksplit)), and its identity is S (or 1 where each partition is one block, which gives
+the same bytes as no split: kernels.emulate.identity). Spellings with the same S are normalized away:
+`candidates_for` keeps a candidate only where its ksplit is effective (ksplit == S), so each
+(family, S, launch) appears once.
 
 Row tile: a launch processes M in tiles of MT = min(next power of two >= M, the candidate's tile cap),
-decoding each weight block once per tile. The cap keeps MT·CPT <= 32 accumulators per thread, which keeps
+decoding each weight block once per tile. The cap keeps MT·CPT <= 16 accumulators per thread, which keeps
 every instantiation spill-free under the 128-register cap.
 """
 
@@ -16,20 +18,20 @@ from functools import cached_property
 from typing import Literal
 
 from kernels.codebooks import CODEBOOKS, get
-from kernels.emulate import effective_split, partition_width
+from kernels.emulate import effective_split, identity, partition_width
 from kernels.errors import InputError
 
 Family = Literal["wide", "direct", "kpar"]
 CODEBOOK_IDS = {name: i for i, name in enumerate(CODEBOOKS)}  # the `Codebook` enum of gemv.cu
 ROW_TILES = (1, 2, 4, 8, 16)
-MAX_ACCUMULATORS = 32  # MT·CPT per thread
+MAX_ACCUMULATORS = 16  # MT·CPT per thread
 SHARED_MEMORY_LIMIT = 48 * 1024  # default dynamic shared memory per CTA, no opt-in needed
 FOLD_THREADS = 256
 
 
 def row_tile(m: int, cpt: int) -> int:
     """MT for M rows: the smallest power of two >= M, capped so MT·CPT <= MAX_ACCUMULATORS."""
-    cap = MAX_ACCUMULATORS // cpt
+    cap = min(ROW_TILES[-1], MAX_ACCUMULATORS // cpt)
     return min(cap, 1 << max(0, (m - 1).bit_length()))
 
 
@@ -44,8 +46,13 @@ class Candidate:
     def id(self) -> str:
         return f"{self.family}.s{self.ksplit}.t{self.threads}.c{self.cpt}"
 
-    def identity(self, k: int) -> int:
+    def split(self, k: int) -> int:
+        """The effective split S this candidate runs for K (partitions launched)."""
         return effective_split(k // 32, self.ksplit)
+
+    def identity(self, k: int) -> int:
+        """The arithmetic identity of its result for K: candidates with equal identities are interchangeable."""
+        return identity(k // 32, self.ksplit)
 
     @property
     def launches(self) -> int:
@@ -63,7 +70,7 @@ class Candidate:
 
     def workspace_bytes(self, m: int, n: int, k: int) -> int:
         """kpar's partial sums [S][M][N] fp32; other families need none."""
-        return self.identity(k) * m * n * 4 if self.family == "kpar" else 0
+        return self.split(k) * m * n * 4 if self.family == "kpar" else 0
 
     def invalid_reason(self, m: int, n: int, k: int) -> str | None:
         """Why this candidate cannot run (M, N, K), or None when it can."""
@@ -71,8 +78,8 @@ class Candidate:
             return f"shape M={m}, N={n}, K={k} is not a GEMV shape (M, N >= 1; K a positive multiple of 32)"
         if n % self.cpt:
             return f"N={n} is not a multiple of {self.cpt} outputs per thread"
-        if self.identity(k) != self.ksplit:
-            return f"ksplit {self.ksplit} is not effective for KB={k // 32} (it acts as S={self.identity(k)})"
+        if self.split(k) != self.ksplit:
+            return f"ksplit {self.ksplit} is not effective for KB={k // 32} (it acts as S={self.split(k)})"
         if self.family != "kpar" and self.threads * self.ksplit > 1024:
             return f"{self.threads}x{self.ksplit} threads exceed 1024 per CTA"
         if self.shared_bytes(m) > SHARED_MEMORY_LIMIT:
@@ -128,8 +135,8 @@ def candidates_for(m: int, n: int, k: int) -> list[Candidate]:
 
 
 def identities(m: int, n: int, k: int) -> list[int]:
-    """The distinct identities S available for a shape at M rows."""
-    return sorted({c.ksplit for c in candidates_for(m, n, k)})
+    """The distinct identities available for a shape at M rows."""
+    return sorted({c.identity(k) for c in candidates_for(m, n, k)})
 
 
 def instantiations() -> list[tuple[str, str]]:

@@ -78,20 +78,35 @@ def _block(rng: np.random.Generator, kind: str) -> np.ndarray:
         b = (rng.integers(-top + 1, top, 32) + rng.choice([0.0, 0.5], 32)).astype(np.float32) * scale
         b[rng.integers(32)] = rng.choice([-1.0, 1.0]) * top * scale
         return b
-    if kind == "near_tie":  # IQ4_NL: exact table multiples of an fp16 d plus points 1 ulp off a midpoint
-        d = np.float32(np.float16(rng.uniform(0.5, 2.0) * 2.0 ** rng.integers(-12, 8)))
-        b = (KV[rng.integers(0, 16, 32)] * d).astype(np.float32)
-        b[0] = -127 * d
-        mids = (KV[1:] + KV[:-1]) / 2
-        pos = rng.choice(np.arange(1, 32), 8, replace=False)
-        near = (mids[rng.integers(0, 15, 8)] * d).astype(np.float32)
-        b[pos] = np.nextafter(near, np.where(rng.random(8) < 0.5, -np.inf, np.inf).astype(np.float32))
-        return b
+    if kind == "near_tie":
+        # IQ4_NL: exact multiples -127*d0 / 113*d0 of an fp16 d0 pin the best scale to d0 (checked by
+        # test_iq4_nl_near_ties_pin_the_scale); one weight sits 1 ulp off a small midpoint (-4.5 or 7) at
+        # d0, where a float32 quotient can pick the wrong side.
+        d0 = np.float32(np.float16(rng.uniform(0.5, 2.0) * 2.0 ** rng.integers(-12, 8)))
+        b = (rng.choice([-127.0, 113.0], 32) * d0).astype(np.float32)
+        b[0] = -127 * d0
+        near = np.float32(rng.choice([-4.5, 7.0]) * d0)
+        b[rng.integers(1, 32)] = np.nextafter(near, rng.choice([-np.inf, np.inf]).astype(np.float32))
+        return b * rng.choice([np.float32(-1), np.float32(1)])
     raise AssertionError(kind)
 
 
-KINDS = ("gauss", "zero", "neg_zero", "const", "outlier", "subnormal", "subnormal_mix", "tiny", "fp16_max",
-         "beyond_fp16", "sign_tie", "grid", "halves", "near_tie")
+KINDS = (
+    "gauss",
+    "zero",
+    "neg_zero",
+    "const",
+    "outlier",
+    "subnormal",
+    "subnormal_mix",
+    "tiny",
+    "fp16_max",
+    "beyond_fp16",
+    "sign_tie",
+    "grid",
+    "halves",
+    "near_tie",
+)
 
 
 def adversarial(n: int, kb: int, seed: int, kinds: tuple[str, ...] = KINDS) -> np.ndarray:
@@ -122,8 +137,14 @@ def finite_f32(**kw) -> st.SearchStrategy:
 
 
 def test_geometry_matches_gguf_and_brief():
-    expected = {"Q4_0": (18, 16), "Q4_1": (20, 16), "Q5_0": (22, 16), "Q5_1": (24, 16), "Q8_0": (34, 32),
-                "IQ4_NL": (18, 16)}
+    expected = {
+        "Q4_0": (18, 16),
+        "Q4_1": (20, 16),
+        "Q5_0": (22, 16),
+        "Q5_1": (24, 16),
+        "Q8_0": (34, 32),
+        "IQ4_NL": (18, 16),
+    }
     assert expected.keys() == set(cb.CODEBOOKS)
     assert set(cb.EXECUTION) == set(cb.CODEBOOKS)
     for name in cb.CODEBOOKS:
@@ -186,6 +207,9 @@ def test_quantize_bit_exact_explicit_edges(name):
         np.full(32, 1e-45),  # smallest subnormal
         np.r_[np.full(16, 1e-40), np.full(16, -1e-40)],
         np.linspace(-1, 1, 32),
+        np.r_[127.0, np.arange(31) - 15.5],  # Q8_0: d = 1, exact halves (round half away from zero)
+        np.r_[-8.0, np.arange(31) / 2 - 7.5],  # Q4_0: d = 1, exact halves
+        np.r_[-16.0, np.arange(31) - 15.5],  # Q5_0: d = 1, exact halves
     ]
     w = np.array(rows, dtype=np.float32)
     with np.errstate(all="ignore"):
@@ -281,7 +305,9 @@ def test_block_fields_documented_element_order(name):
     f = cb.block_fields(name, block, 32)
     assert f.codes[0, 0].tolist() == expected
     assert f.scale.tolist() == [[0.5]]
-    want = np.array(expected, dtype=np.float32) * np.float32(0.5) + np.float32(-1.0 if f.min is not None else 0)
+    want = np.array(expected, dtype=np.float32) * np.float32(0.5)
+    if f.min is not None:
+        want = want + np.float32(-1.0)
     np.testing.assert_array_equal(cb.dequantize(name, block, 32)[0], want)
 
 
@@ -293,8 +319,11 @@ def _iq4_parts(w: np.ndarray, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarra
     """Per block: w [B, 32] float64, stored scale d [B] float64, chosen kvalues [B, 32] float64."""
     k = w.shape[1]
     f = cb.block_fields("IQ4_NL", blocks, k)
-    return (w.astype(np.float64).reshape(-1, 32), f.scale.astype(np.float64).reshape(-1),
-            f.codes.astype(np.float64).reshape(-1, 32))
+    return (
+        w.astype(np.float64).reshape(-1, 32),
+        f.scale.astype(np.float64).reshape(-1),
+        f.codes.astype(np.float64).reshape(-1, 32),
+    )
 
 
 def _element_errors(w64: np.ndarray, d: np.ndarray) -> np.ndarray:
@@ -303,8 +332,9 @@ def _element_errors(w64: np.ndarray, d: np.ndarray) -> np.ndarray:
 
 
 def _baseline_error(w64: np.ndarray, d: np.ndarray) -> np.ndarray:
-    """Block error of scale fp16(d) with the nearest table value per element."""
-    d16 = d.astype(np.float32).astype(np.float16).astype(np.float64)
+    """Block error of scale fp16(d) (saturated at +-65504, as a stored scale must be finite) with the
+    nearest table value per element."""
+    d16 = np.clip(d.astype(np.float32), -65504, 65504).astype(np.float16).astype(np.float64)
     return np.square(_element_errors(w64, d16).min(axis=-1)).sum(axis=-1)
 
 
@@ -341,11 +371,20 @@ def test_iq4_nl_objective_any_float32(data, shape):
     _check_iq4_objective(w)
 
 
+def test_iq4_nl_near_ties_pin_the_scale():
+    # The near_tie blocks only probe tie handling if the quantizer really stores d0 for them.
+    w = adversarial(64, 4, seed=11, kinds=("near_tie",))
+    f = cb.block_fields("IQ4_NL", cb.quantize("IQ4_NL", w), w.shape[1])
+    d0 = np.abs(w.reshape(-1, 32)[:, 0]) / 127
+    assert (np.abs(f.scale.reshape(-1)) == d0).mean() > 0.9
+
+
 def test_iq4_nl_gaussian_error():
     rng = np.random.default_rng(7)
     w = rng.standard_normal((256, 2048)).astype(np.float32)
-    w64, _, _ = _iq4_parts(w, cb.quantize("IQ4_NL", w))
-    rel = float(np.sqrt(((cb.dequantize("IQ4_NL", cb.quantize("IQ4_NL", w), 2048) - w) ** 2).sum() / (w**2).sum()))
+    blocks = cb.quantize("IQ4_NL", w)
+    w64, _, _ = _iq4_parts(w, blocks)
+    rel = float(np.sqrt(((cb.dequantize("IQ4_NL", blocks, 2048) - w) ** 2).sum() / (w**2).sum()))
     amax = np.abs(w64).max(axis=-1)
     base = float(np.sqrt(_baseline_error(w64, -amax / 127).sum() / (w64**2).sum()))
     q4 = cb.dequantize("Q4_0", cb.quantize("Q4_0", w), 2048)
@@ -380,9 +419,15 @@ W_OK = np.ones((2, 64), dtype=np.float32)
         (lambda: cb.quantize("Q4_0", np.ones((2, 48), np.float32)), r"K=48 is not a multiple of 32"),
         (lambda: cb.quantize("Q4_0", np.ones((0, 32), np.float32)), r"positive"),
         (lambda: cb.quantize("Q4_0", np.ones((2, 0), np.float32)), r"positive"),
-        (lambda: cb.quantize("IQ4_NL", np.array([[np.nan] + [0.0] * 31], np.float32)), r"non-finite.*row 0, col 0"),
+        (
+            lambda: cb.quantize("IQ4_NL", np.array([[np.nan] + [0.0] * 31], np.float32)),
+            r"non-finite.*row 0, col 0",
+        ),
         (lambda: cb.quantize("Q4_1", np.array([[0.0] * 31 + [np.inf]], np.float32)), r"non-finite.*col 31"),
-        (lambda: cb.quantize("Q5_0", np.array([[0.0] * 32, [-np.inf] * 32], np.float32)), r"non-finite.*row 1"),
+        (
+            lambda: cb.quantize("Q5_0", np.array([[0.0] * 32, [-np.inf] * 32], np.float32)),
+            r"non-finite.*row 1",
+        ),
         (lambda: cb.dequantize("Q4_0", np.zeros((1, 18), np.uint8), 48), r"K=48 is not a multiple of 32"),
         (lambda: cb.dequantize("Q4_0", np.zeros((1, 18), np.uint8), 0), r"K must be positive"),
         (lambda: cb.dequantize("Q4_0", np.zeros((1, 18), np.uint8), -32), r"K must be positive"),
@@ -412,6 +457,7 @@ def test_inputs_not_modified_and_noncontiguous_ok():
     for name in cb.CODEBOOKS:
         blocks = cb.quantize(name, w[:, ::-1].T.T)  # negative-stride view
         np.testing.assert_array_equal(blocks, cb.quantize(name, np.ascontiguousarray(w[:, ::-1])))
-        np.testing.assert_array_equal(cb.dequantize(name, np.asfortranarray(blocks), 128),
-                                      cb.dequantize(name, blocks, 128))
+        np.testing.assert_array_equal(
+            cb.dequantize(name, np.asfortranarray(blocks), 128), cb.dequantize(name, blocks, 128)
+        )
     np.testing.assert_array_equal(w, before)

@@ -119,7 +119,7 @@ __global__ void gemv_partial(const u32* __restrict__ payload, const u32* __restr
                              float* __restrict__ out) {
     typedef Traits<CB> T;
     // Loads of several blocks in flight; fewer when the tile already holds many registers.
-    constexpr int UNROLL = MT * CPT <= 2 ? 4 : (MT * CPT <= 8 ? 2 : 1);
+    constexpr int UNROLL = MT * CPT <= 2 ? 4 : (MT * CPT <= 4 ? 2 : 1);
     extern __shared__ float partials[];  // direct family: [S-1][MT][blockDim.x*CPT]
 
     const int S = GRID_SPLIT ? gridDim.y : blockDim.y;
