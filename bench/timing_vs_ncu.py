@@ -1,0 +1,114 @@
+"""Validate dispatch.timing against Nsight Compute: graph-mode per-launch time vs ncu's gpu__time_duration.
+
+Three single-launch candidates of different sizes are timed twice: by the harness (graph mode, cold L2,
+medians over interleaved rounds) and under ncu (`--clock-control none`, its default cache control flushes
+caches before each kernel, i.e. cold), whose per-kernel durations are medianed. Agreement within 10% means
+the harness measures kernel time, not launch gaps or host overhead. Nothing measured here enters a corpus.
+
+    python bench/timing_vs_ncu.py run --out bench/results/timing-vs-ncu-h200.json
+(`run` times with the harness, then re-executes itself under ncu with `profile`.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import cupy as cp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.kernels import random_weights  # noqa: E402
+from dispatch.timing import CupyBackend, TimingConfig, copies_for_cold_l2, time_candidates  # noqa: E402
+from kernels import launch  # noqa: E402
+from kernels.registry import by_id  # noqa: E402
+
+# (codebook, M, N, K, candidate): about 10, 30 and 90 microseconds on an H200.
+CASES = [("Q4_0", 1, 14336, 4096, "direct.s8.t32.c1"), ("Q4_0", 1, 27648, 5120, "direct.s4.t64.c1"),
+         ("Q4_0", 1, 151936, 4096, "wide.s1.t128.c1")]
+PROFILED_LAUNCHES = 15
+CONFIG = TimingConfig(mode="graph", cold_l2=True, race=False, min_rounds=15, max_rounds=15)
+
+
+def setup(case: tuple, stream: cp.cuda.Stream) -> tuple:
+    codebook, m, n, k, cid = case
+    rng = cp.random.default_rng(n + k)
+    cand = by_id(cid)
+    first = random_weights(codebook, n, k, rng)
+    l2 = cp.cuda.runtime.getDeviceProperties(0)["l2CacheSize"]
+    copies = [first] + [random_weights(codebook, n, k, rng) for _ in range(copies_for_cold_l2(first.nbytes, l2) - 1)]
+    with stream:
+        x = rng.standard_normal((m, k), dtype=cp.float32)
+    qact = launch.quantize_activations(x, stream)
+    out = cp.empty((m, n), cp.float32)
+    launch.check_launch(cand, first, qact, out, None)
+    return cand, copies, qact, out
+
+
+def harness() -> dict[str, float]:
+    stream = cp.cuda.Stream(non_blocking=True)
+    result = {}
+    for case in CASES:
+        cand, copies, qact, out = setup(case, stream)
+
+        def one(i: int, cand=cand, copies=copies, qact=qact, out=out) -> None:
+            launch.gemv(cand, copies[i], qact, out, stream, validate=False)
+
+        result[case[-1]] = time_candidates({"c": one}, len(copies), CONFIG, CupyBackend(stream))["c"].median_us
+    return result
+
+
+def profile() -> None:
+    """Launched under ncu: PROFILED_LAUNCHES eager launches per case, rotating copies."""
+    stream = cp.cuda.Stream(non_blocking=True)
+    for case in CASES:
+        cand, copies, qact, out = setup(case, stream)
+        for i in range(PROFILED_LAUNCHES):
+            launch.gemv(cand, copies[i % len(copies)], qact, out, stream, validate=False)
+        stream.synchronize()
+
+
+def ncu_durations() -> dict[str, float]:
+    ncu = shutil.which("ncu") or "/usr/local/cuda/bin/ncu"
+    cmd = [ncu, "--clock-control", "none", "--metrics", "gpu__time_duration.sum", "--csv", "-k", "regex:gemv_partial",
+           sys.executable, __file__, "profile"]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    rows = [r for r in csv.DictReader(io.StringIO(done.stdout[done.stdout.index('"ID"'):]))
+            if r["Metric Name"] == "gpu__time_duration.sum"]
+    scale = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3}
+    times = [float(r["Metric Value"].replace(",", "")) * scale[r["Metric Unit"]] for r in rows]
+    assert len(times) == PROFILED_LAUNCHES * len(CASES), f"ncu reported {len(times)} kernels"
+    return {case[-1]: statistics.median(times[i * PROFILED_LAUNCHES:(i + 1) * PROFILED_LAUNCHES])
+            for i, case in enumerate(CASES)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("what", choices=["run", "profile"])
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    if args.what == "profile":
+        profile()
+        return
+    ours, ncu = harness(), ncu_durations()
+    rows = [{"case": list(case), "harness_graph_us": ours[case[-1]], "ncu_gpu_time_us": ncu[case[-1]],
+             "ratio": ours[case[-1]] / ncu[case[-1]]} for case in CASES]
+    report = {"device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), "config": CONFIG.__dict__,
+              "rows": rows, "within_10pct": all(abs(r["ratio"] - 1) <= 0.10 for r in rows)}
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=1) + "\n")
+    for r in rows:
+        print(f"{r['case'][-1]:20} N={r['case'][2]:>6} K={r['case'][3]:>5}  harness {r['harness_graph_us']:8.2f} us  "
+              f"ncu {r['ncu_gpu_time_us']:8.2f} us  ratio {r['ratio']:.3f}")
+    print("within 10%:", report["within_10pct"])
+
+
+if __name__ == "__main__":
+    main()
