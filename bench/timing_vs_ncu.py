@@ -82,7 +82,7 @@ def ncu_durations() -> dict[str, float]:
     done = subprocess.run(cmd, capture_output=True, text=True, check=True)
     rows = [r for r in csv.DictReader(io.StringIO(done.stdout[done.stdout.index('"ID"'):]))
             if r["Metric Name"] == "gpu__time_duration.sum"]
-    scale = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3}
+    scale = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}
     times = [float(r["Metric Value"].replace(",", "")) * scale[r["Metric Unit"]] for r in rows]
     assert len(times) == PROFILED_LAUNCHES * len(CASES), f"ncu reported {len(times)} kernels"
     return {case[-1]: statistics.median(times[i * PROFILED_LAUNCHES:(i + 1) * PROFILED_LAUNCHES])
