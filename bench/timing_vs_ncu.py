@@ -25,10 +25,10 @@ import cupy as cp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.kernels import random_weights  # noqa: E402
-from dispatch.timing import CupyBackend, TimingConfig, copies_for_cold_l2, time_candidates  # noqa: E402
-from kernels import launch  # noqa: E402
-from kernels.registry import by_id  # noqa: E402
+from bench.kernels import random_weights
+from dispatch.timing import CupyBackend, TimingConfig, copies_for_cold_l2, time_candidates
+from kernels import launch
+from kernels.registry import by_id
 
 # (codebook, M, N, K, candidate): about 10, 30 and 90 microseconds on an H200.
 CASES = [("Q4_0", 1, 14336, 4096, "direct.s8.t32.c1"), ("Q4_0", 1, 27648, 5120, "direct.s4.t64.c1"),
