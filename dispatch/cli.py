@@ -102,3 +102,107 @@ def shapes_from_gguf(model: Path, output: Path | None, as_json: bool) -> None:
         click.echo(f"{inv.name} ({inv.family}, {inv.source})")
         for s in inv.shapes:
             click.echo(f"{s.role:<14} n={s.n:<8} k={s.k}")
+
+
+@main.command("sweep")
+@click.option("--corpus-root", type=click.Path(file_okay=False, path_type=Path),
+              help="Folder that holds one corpus folder per GPU model [default: the repository's corpus/].")
+@click.option("--replay", type=click.Path(path_type=Path),
+              help="Serve timings from this corpus folder instead of a GPU (CPU runs and tests).")
+@click.option("--devices", help="CUDA device ids, e.g. 0,1: one child process per GPU, geometries dealt "
+              "round robin, one compaction at the end.")
+@click.option("--codebooks", default="Q4_0,Q8_0", show_default=True, help="Comma list, or 'all'.")
+@click.option("--m", "ms", default="1,4,16", show_default=True, help="Activation rows M, comma list.")
+@click.option("--modes", default="graph", show_default=True, help="Launch modes: graph, eager or both.")
+@click.option("--shapes", "shape_paths", multiple=True, type=click.Path(path_type=Path),
+              help="Inventory file or directory (repeatable; the synthetic grid too) [default: the model "
+              "inventories in corpus/shapes/, without the synthetic grid].")
+@click.option("--limit", type=int, help="Only the plan's first N cells (smoke runs).")
+@click.option("--hot", is_flag=True, help="Hot L2: every launch reads the same weights (default: cold).")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object.")
+@click.option("--device-index", type=int, hidden=True)  # set by a --devices parent for its children
+@click.option("--device-count", type=int, default=1, hidden=True)
+@click.option("--replay-delay", type=float, default=0.0, hidden=True)  # seconds per cell, for tests
+@user_errors
+def sweep_command(corpus_root: Path | None, replay: Path | None, devices: str | None, codebooks: str, ms: str,
+                  modes: str, shape_paths: tuple[Path, ...], limit: int | None, hot: bool, as_json: bool,
+                  device_index: int | None, device_count: int, replay_delay: float) -> None:
+    """Time every candidate kernel over (codebook, M, N, K, mode) cells into CORPUS_ROOT/<gpu>/.
+
+    Default plan: the (N, K) of every model inventory in corpus/shapes/, Q4_0 and Q8_0, M in {1, 4, 16},
+    graph mode, cold L2, racing. One shard per finished cell: an interrupted sweep loses at most the cell in
+    flight, and a rerun skips the cells already measured with the same provenance (GPU, driver, kernel
+    sources, tool, timing parameters). Progress and ETA go to stderr."""
+    from dispatch import sweep
+    from dispatch.corpus import load
+    from dispatch.shapes import default_inventory_dir
+
+    plan = sweep.parse_plan(codebooks, ms, modes, shape_paths, limit, hot)
+    root = corpus_root if corpus_root is not None else default_inventory_dir().parent
+    if devices is not None:
+        argv = ["--corpus-root", str(root.resolve()), "--codebooks", codebooks, "--m", ms, "--modes", modes]
+        argv += [arg for p in shape_paths for arg in ("--shapes", str(p.resolve()))]
+        argv += ["--limit", str(limit)] if limit is not None else []
+        argv += ["--hot"] if hot else []
+        argv += ["--replay", str(replay.resolve()), "--replay-delay", str(replay_delay)] if replay else []
+        try:
+            result = sweep.run_devices(sweep.parse_devices(devices), argv)
+        except RuntimeError as err:
+            raise click.ClickException(str(err)) from None
+    else:
+        timer = sweep.ReplayTimer(load(replay), replay_delay) if replay else sweep.GpuTimer(plan.timing)
+        child = device_index is not None
+        result = sweep.run_sweep(plan, root, timer, part=(device_index or 0, device_count),
+                                 compact_at_end=not child, label=f"device {device_index}: " if child else "")
+    if as_json:
+        click.echo(json.dumps(result.to_dict(), sort_keys=True))
+        return
+    click.echo(f"{result.cells} cells: {result.timed} timed, {result.skipped} already in the corpus; "
+               f"{result.records} records in {result.seconds:.1f} s -> {', '.join(result.folders)}")
+
+
+@main.group("corpus")
+def corpus_group() -> None:
+    """Measured corpora: one folder per GPU model, append-only shards with SHA-256s in a manifest."""
+
+
+@corpus_group.command("check")
+@click.argument("folder", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print the counts as one JSON object.")
+@user_errors
+def corpus_check(folder: Path, as_json: bool) -> None:
+    """Verify FOLDER (e.g. corpus/nvidia-h200): every shard's SHA-256 against the manifest, no unlisted or
+    missing shard, well-formed records, one GPU model and kernel source; print the counts."""
+    from dispatch.corpus import load
+
+    loaded = load(folder)
+    provenances = {
+        key: {"gpu_name": p.gpu_name, "gpu_uuid": p.gpu_uuid, "kernel_digest": p.kernel_digest,
+              "records": sum(r.provenance == key for r in loaded.records)}
+        for key, p in loaded.provenances.items()
+    }
+    report = {"folder": str(folder), "shards": len(loaded.shards), "records": len(loaded.records),
+              "cells": len(loaded.cells()), "provenances": provenances}
+    if as_json:
+        click.echo(json.dumps(report, indent=1, sort_keys=True))
+        return
+    click.echo(f"{folder}: ok, {report['shards']} shards, {report['records']} records, {report['cells']} cells")
+    for key, p in provenances.items():
+        click.echo(f"  {key}: {p['gpu_name']} {p['gpu_uuid']}, kernels {p['kernel_digest'][:12]}, "
+                   f"{p['records']} records")
+
+
+@corpus_group.command("compact")
+@click.argument("folder", type=click.Path(path_type=Path))
+@user_errors
+def corpus_compact(folder: Path) -> None:
+    """Merge FOLDER's shards into one sorted, deduplicated shard per provenance (deterministic), after
+    adopting complete shards an interrupted write left outside the manifest."""
+    from dispatch.corpus import compact
+
+    before, after = compact(folder)
+    click.echo(f"{folder}: {before} shards -> {after}")
+
+
+if __name__ == "__main__":  # `python -m dispatch.cli`: how a --devices sweep starts its children
+    main()

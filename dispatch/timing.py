@@ -25,9 +25,11 @@ from typing import Any, Literal, Protocol
 import numpy as np
 
 Launch = Callable[[int], None]  # enqueue ONE launch on the harness's stream, reading weight copy #i
+Rotation = tuple[int, ...]  # the weight copies one window reads, in launch order
 
 MAX_REPLAYS = 10_000  # a window never needs more; bounds graph size and capture time
 _PROBES = 3  # calibration probes at most (each one re-aims at the target window)
+_FIRST_PROBE = 16  # launches in the first calibration probe
 _MAD_TO_SIGMA = 1.4826  # sigma of a normal distribution = 1.4826 x its MAD
 _RACE_SIGMAS = 3.0  # half-width of a candidate's robust range, in sigmas
 
@@ -73,14 +75,14 @@ class Stats:
 
 class Window(Protocol):
     def run(self) -> float:
-        """Run one timed window of `replays` launches; return elapsed milliseconds."""
+        """Run one timed window (one launch per entry of its rotation); return elapsed milliseconds."""
         ...
 
     def close(self) -> None: ...
 
 
 class Backend(Protocol):
-    def prepare(self, launch: Launch, copies: int, replays: int, mode: str) -> Window: ...
+    def prepare(self, launch: Launch, rotation: Rotation, mode: str) -> Window: ...
 
 
 def copies_for_cold_l2(bytes_per_copy: int, l2_bytes: int, factor: float = 3.0) -> int:
@@ -97,19 +99,30 @@ def cell_seed(*key: object) -> int:
 
 
 def _replays_for(per_launch_us: float, copies: int, window_us: float) -> int:
-    """R so that R launches last >= window_us, clamped to [copies, MAX_REPLAYS], a multiple of copies
-    (a captured graph fixes its copy indices, so a window must cover whole rotations)."""
+    """R so that R launches last >= window_us, at most MAX_REPLAYS; a multiple of copies once R >= copies,
+    so a window that wraps around the copies reads each one equally often."""
     r = math.ceil(window_us / per_launch_us) if per_launch_us > 0 else MAX_REPLAYS
-    r = min(max(r, copies), max(MAX_REPLAYS, copies))
-    return math.ceil(r / copies) * copies
+    r = max(1, min(r, MAX_REPLAYS))
+    return math.ceil(r / copies) * copies if r >= copies else r
+
+
+def rotations(copies: int, replays: int) -> list[Rotation]:
+    """The windows a candidate cycles through, so that consecutive windows continue one rotation over the
+    copies: a copy is read again only after every other copy was. With R >= copies one window covers whole
+    rotations; with R < copies the copies are split into floor(copies / R) windows of near-equal length, each
+    at least R long (small weights need thousands of copies to exceed 3x L2; a window need not read all)."""
+    if replays >= copies:
+        return [tuple(j % copies for j in range(replays))]
+    parts = copies // replays
+    return [tuple(range(g * copies // parts, (g + 1) * copies // parts)) for g in range(parts)]
 
 
 def _calibrate(backend: Backend, launch: Launch, copies: int, config: TimingConfig) -> int:
     # A short probe over-estimates the per-launch time (event and launch overheads are amortized over
     # few launches), so re-probe at the proposed R until the proposal stops growing by more than 4x.
-    replays = target = copies
+    replays = target = min(copies, _FIRST_PROBE)
     for _ in range(_PROBES):
-        window = backend.prepare(launch, copies, replays, config.mode)
+        window = backend.prepare(launch, rotations(copies, replays)[0], config.mode)
         try:
             window.run()  # the first run pays one-time costs (graph upload, module load, clocks)
             per_launch_us = 1000.0 * window.run() / replays
@@ -120,6 +133,30 @@ def _calibrate(backend: Backend, launch: Launch, copies: int, config: TimingConf
             break
         replays = target
     return target
+
+
+class _Cycle:
+    """A candidate's windows, prepared on first use and run in turn, continuing the rotation."""
+
+    def __init__(self, backend: Backend, launch: Launch, copies: int, replays: int, mode: str) -> None:
+        self._backend, self._launch, self._mode = backend, launch, mode
+        self._rotations = rotations(copies, replays)
+        self._windows: list[Window | None] = [None] * len(self._rotations)
+        self._next = 0
+
+    def run(self) -> float:
+        """Microseconds per launch in the next window."""
+        g = self._next
+        self._next = (g + 1) % len(self._rotations)
+        if self._windows[g] is None:
+            self._windows[g] = self._backend.prepare(self._launch, self._rotations[g], self._mode)
+        return 1000.0 * self._windows[g].run() / len(self._rotations[g])
+
+    def close(self) -> None:
+        for w in self._windows:
+            if w is not None:
+                w.close()
+        self._windows = [None] * len(self._windows)
 
 
 def _stats(samples: list[float], replays: int, dropped: bool) -> Stats:
@@ -171,7 +208,7 @@ def time_candidates(
     ids = sorted(launches)  # the caller's mapping order must not change the shuffles
     samples: dict[str, list[float]] = {c: [] for c in ids}
     replays: dict[str, int] = {}
-    windows: dict[str, Window] = {}
+    windows: dict[str, _Cycle] = {}
     live: list[str] = list(ids)
     dropped: set[str] = set()
 
@@ -181,13 +218,13 @@ def time_candidates(
     try:
         for c in ids:
             replays[c] = _calibrate(backend, launches[c], copies, config)
-            windows[c] = backend.prepare(launches[c], copies, replays[c], config.mode)
+            windows[c] = _Cycle(backend, launches[c], copies, replays[c], config.mode)
         for _ in range(config.warmup_rounds):  # untimed: clocks, caches and allocators settle
             for c in shuffled(ids):
                 windows[c].run()
         for rnd in range(1, config.max_rounds + 1):
             for c in shuffled(live):
-                samples[c].append(1000.0 * windows[c].run() / replays[c])
+                samples[c].append(windows[c].run())
             if config.race and rnd >= config.min_rounds:
                 out = _beaten(samples, live, config.noise_rel) if len(live) > 1 else set()
                 for c in sorted(out):
@@ -232,11 +269,11 @@ class CupyBackend:
         if self.stream.ptr in (0, 1, 2) or not self.stream.is_non_blocking:
             raise ValueError("CupyBackend needs an explicit non-blocking stream, not the default stream")
 
-    def prepare(self, launch: Launch, copies: int, replays: int, mode: str) -> Window:
+    def prepare(self, launch: Launch, rotation: Rotation, mode: str) -> Window:
         if mode == "graph":
-            return _GraphWindow(self._cupy, self.stream, launch, copies, replays)
+            return _GraphWindow(self._cupy, self.stream, launch, rotation)
         if mode == "eager":
-            return _EagerWindow(self._cupy, self.stream, launch, copies, replays)
+            return _EagerWindow(self._cupy, self.stream, launch, rotation)
         raise ValueError(f"timing mode must be 'graph' or 'eager', got {mode!r}")
 
 
@@ -254,17 +291,16 @@ class _EventTimer:
 
 
 class _EagerWindow(_EventTimer):
-    """R launches issued back to back from the host: launch cost included, as an eager engine sees."""
+    """Launches issued back to back from the host: launch cost included, as an eager engine sees."""
 
-    def __init__(self, cupy: Any, stream: Any, launch: Launch, copies: int, replays: int) -> None:
+    def __init__(self, cupy: Any, stream: Any, launch: Launch, rotation: Rotation) -> None:
         super().__init__(cupy, stream)
-        self._launch, self._copies, self._replays, self._offset = launch, copies, replays, 0
+        self._launch, self._rotation = launch, rotation
 
     def _enqueue(self) -> None:
         with self.stream:  # the stream is current, so CuPy-issued launches land on it
-            for j in range(self._replays):
-                self._launch((self._offset + j) % self._copies)
-        self._offset = (self._offset + self._replays) % self._copies  # next window continues rotation
+            for i in self._rotation:
+                self._launch(i)
 
     def run(self) -> float:
         return self.time(self._enqueue)
@@ -274,17 +310,17 @@ class _EagerWindow(_EventTimer):
 
 
 class _GraphWindow(_EventTimer):
-    """R launches captured once into a CUDA graph; one graph launch per window."""
+    """The rotation's launches captured once into a CUDA graph; one graph launch per window."""
 
-    def __init__(self, cupy: Any, stream: Any, launch: Launch, copies: int, replays: int) -> None:
+    def __init__(self, cupy: Any, stream: Any, launch: Launch, rotation: Rotation) -> None:
         super().__init__(cupy, stream)
         with stream:
-            launch(0)  # once outside capture, so lazy compilation / module loading is not captured
+            launch(rotation[0])  # once outside capture, so lazy compilation / module loading is not captured
             stream.synchronize()
             stream.begin_capture()
             try:
-                for j in range(replays):  # replays is a multiple of copies: whole rotations
-                    launch(j % copies)
+                for i in rotation:
+                    launch(i)
             except BaseException:
                 with contextlib.suppress(Exception):  # never leave the stream capturing
                     stream.end_capture()

@@ -18,6 +18,7 @@ from dispatch.timing import (
     _stats,
     cell_seed,
     copies_for_cold_l2,
+    rotations,
     ties,
     time_candidates,
     winner,
@@ -45,13 +46,13 @@ class FakeLaunch:
 class FakeWindow:
     """Graph mode 'captures' (calls the launches) at prepare; eager mode calls them on every run."""
 
-    def __init__(self, backend: FakeBackend, launch: FakeLaunch, copies: int, replays: int, mode: str):
+    def __init__(self, backend: FakeBackend, launch: FakeLaunch, rotation: tuple[int, ...], mode: str):
         self.backend, self.launch, self.mode = backend, launch, mode
-        self.copies, self.replays = copies, replays
-        self.offset, self.closed, self.returned_ms = 0, False, []
+        self.rotation, self.replays = rotation, len(rotation)
+        self.closed, self.returned_ms = False, []
         if mode == "graph":
-            for j in range(replays):
-                launch(j % copies)
+            for i in rotation:
+                launch(i)
 
     def run(self) -> float:
         assert not self.closed, "run on a closed window"
@@ -59,9 +60,8 @@ class FakeWindow:
         if b.fail_on_run is not None and len(b.log) == b.fail_on_run:
             raise RuntimeError("launch failed (device fault)")
         if self.mode == "eager":
-            for j in range(self.replays):
-                self.launch((self.offset + j) % self.copies)
-            self.offset = (self.offset + self.replays) % self.copies
+            for i in self.rotation:
+                self.launch(i)
         noise = b.rng.lognormal(0.0, b.sigma) if b.sigma > 0 else 1.0
         if b.outlier_p > 0 and b.rng.random() < b.outlier_p:
             noise *= 3.0  # a preempted / throttled window
@@ -89,9 +89,9 @@ class FakeBackend:
         self.windows: list[FakeWindow] = []
         self.log: list[tuple[FakeWindow, str]] = []
 
-    def prepare(self, launch: Launch, copies: int, replays: int, mode: str) -> FakeWindow:
+    def prepare(self, launch: Launch, rotation: tuple[int, ...], mode: str) -> FakeWindow:
         assert isinstance(launch, FakeLaunch)
-        w = FakeWindow(self, launch, copies, replays, mode)
+        w = FakeWindow(self, launch, rotation, mode)
         self.windows.append(w)
         return w
 
@@ -157,22 +157,50 @@ def test_replays_clamped() -> None:
 @pytest.mark.parametrize("mode", ["graph", "eager"])
 def test_cold_replays_are_whole_rotations_covering_all_copies(mode: str) -> None:
     backend = FakeBackend()
-    launches = fakes(a=3.7, b=11.0, c=300.0)
+    launches = fakes(a=3.7, b=11.0)  # R >= copies for both
     cfg = TimingConfig(mode=mode, max_rounds=6)
     out = time_candidates(launches, 7, cfg, backend=backend)
-    assert all(w.copies == 7 for w in backend.windows)
-    for name, launch in launches.items():
-        assert out[name].replays % 7 == 0 and out[name].replays >= 7
-        counts = Counter(launch.calls)
+    for name in launches:
+        timed = [w for w in backend.windows if w.launch.name == name][-1]
+        assert out[name].replays % 7 == 0 and out[name].replays >= 7 and timed.replays == out[name].replays
+        counts = Counter(timed.rotation)
         assert set(counts) == set(range(7))
         assert len(set(counts.values())) == 1  # every copy read equally often
+
+
+@pytest.mark.parametrize("mode", ["graph", "eager"])
+def test_many_copies_are_split_into_windows_that_continue_one_rotation(mode: str) -> None:
+    """Small weights need thousands of copies to exceed 3x L2; a window reads R < copies of them and
+    the next window continues where it stopped, so a copy is re-read only after all others were."""
+    copies = 1000
+    backend = FakeBackend(sigma=0.0)
+    cfg = TimingConfig(mode=mode, warmup_rounds=1, race=False, max_rounds=30)
+    out = time_candidates(fakes(a=3.7), copies, cfg, backend=backend)
+    r = out["a"].replays
+    assert r < copies and r * 3.7 >= cfg.window_us
+    timed = [w for w, _ in backend.log if w.replays >= r]  # the timed windows (probes are shorter), in run order
+    sequence = [i for w in timed for i in w.rotation]
+    assert len(sequence) > copies, "the test must wrap around the rotation"
+    assert sequence == [j % copies for j in range(len(sequence))]
+    assert max(w.replays for w in timed) - min(w.replays for w in timed) <= 1  # near-equal windows, each >= R
+
+
+def test_rotations_partition_the_copies() -> None:
+    for copies, replays in ((10, 3), (1000, 54), (7, 7), (7, 21), (1, 5), (5, 1)):
+        windows = rotations(copies, replays)
+        flat = [i for w in windows for i in w]
+        if replays >= copies:
+            assert len(windows) == 1 and len(flat) == replays and Counter(flat) == Counter(
+                {i: replays // copies for i in range(copies)})
+        else:
+            assert flat == list(range(copies)) and all(replays <= len(w) < 2 * replays for w in windows)
 
 
 def test_hot_mode_uses_one_copy() -> None:
     backend = FakeBackend(sigma=0.0)
     launches = fakes(a=3.7)
     out = time_candidates(launches, 7, TimingConfig(cold_l2=False, max_rounds=5), backend=backend)
-    assert all(w.copies == 1 for w in backend.windows) and set(launches["a"].calls) == {0}
+    assert all(set(w.rotation) == {0} for w in backend.windows) and set(launches["a"].calls) == {0}
     assert out["a"].replays == 55
 
 
@@ -381,7 +409,7 @@ def test_cupy_backend_times_a_bigger_copy_as_slower() -> None:
         for s in out.values():
             values = (s.median_us, s.p5_us, s.p95_us)
             assert all(np.isfinite(v) and v > 0 for v in values) and np.isfinite(s.mad_us)
-            assert s.replays % copies == 0 and s.n >= cfg.min_rounds
+            assert (s.replays % copies == 0 or s.replays < copies) and s.n >= cfg.min_rounds
         assert out["big"].median_us > 1.2 * out["small"].median_us, out
         assert winner(out, cfg.noise_rel) == "small"
         print(mode, copies, out)

@@ -1,0 +1,397 @@
+"""Sweep (DESIGN §4, §5): time every candidate over (codebook, M, N, K, mode) cells into the corpus.
+
+Default plan (`parse_plan()` with no arguments): the union of the (N, K) geometries of every model inventory
+in corpus/shapes/ (the synthetic grid is left out; pass it with --shapes), codebooks Q4_0 and Q8_0,
+M in {1, 4, 16}, graph mode, TimingConfig defaults (cold L2, racing on): 96 geometries x 2 x 3 = 576 cells.
+
+Each finished cell becomes one shard, so an interruption loses at most the cell in flight; a rerun skips the
+cells the corpus already holds under the same provenance key (resume). With several devices, the parent
+splits the plan round robin by weight geometry, runs one child process per GPU, and compacts at the end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Protocol, TextIO
+
+from dispatch import __version__, corpus
+from dispatch.corpus import MODES, Cell, Corpus, Provenance, Record, gpu_slug, timing_parameters
+from dispatch.shapes import GRID_NAME, default_inventory_dir, load_inventories
+from dispatch.timing import Launch, Stats, TimingConfig, cell_seed, copies_for_cold_l2, time_candidates
+from kernels import program
+from kernels.codebooks import CODEBOOKS, get
+from kernels.errors import InputError
+from kernels.registry import Candidate, candidates_for
+
+DEFAULT_CODEBOOKS = "Q4_0,Q8_0"
+DEFAULT_MS = "1,4,16"
+DEFAULT_MODES = "graph"
+
+
+@dataclass(frozen=True)
+class SweepPlan:
+    codebooks: tuple[str, ...]
+    ms: tuple[int, ...]
+    modes: tuple[str, ...]
+    geometries: tuple[tuple[int, int], ...]  # (N, K)
+    timing: TimingConfig = field(default_factory=TimingConfig)  # GpuTimer's; a replay reports its corpus's
+    limit: int | None = None  # the first `limit` cells only (smoke runs)
+
+    def __post_init__(self) -> None:
+        for cb in self.codebooks:
+            if get(cb).name != cb:
+                raise InputError(f"codebook {cb!r} is not spelled as the registry does ({get(cb).name!r})")
+        bad = [m for m in self.ms if m < 1] or [mode for mode in self.modes if mode not in MODES]
+        bad = bad or [(n, k) for n, k in self.geometries if n < 1 or k < 32 or k % 32]
+        if bad or (self.limit is not None and self.limit < 1):
+            raise InputError(f"sweep plan: invalid M, mode, (N, K) or limit: {bad or self.limit}")
+
+    def cells(self) -> list[Cell]:
+        """All cells, grouped by weight geometry (codebook, N, K) so a timer creates each weight set once."""
+        cells = [
+            Cell(cb, m, n, k, mode)
+            for cb in sorted(self.codebooks)
+            for n, k in sorted(self.geometries)
+            for m in sorted(self.ms)
+            for mode in MODES
+            if mode in self.modes
+        ]
+        return cells[: self.limit]
+
+    def part(self, index: int, count: int) -> list[Cell]:
+        """Part `index` of `count`: whole geometries dealt round robin, so no two devices create one weight
+        set and a resumed run deals every cell to the same part as before (the split ignores what is done)."""
+        groups: dict[tuple[str, int, int], int] = {}
+        return [c for c in self.cells() if groups.setdefault((c.codebook, c.n, c.k), len(groups)) % count == index]
+
+
+def _items(text: str, what: str) -> list[str]:
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    if not items:
+        raise InputError(f"{what}: expected a comma-separated list, got {text!r}")
+    return items
+
+
+def _positive_ints(text: str, what: str) -> list[int]:
+    values = []
+    for item in _items(text, what):
+        if not item.isdigit() or int(item) < 1:
+            raise InputError(f"{what}: {item!r} is not an integer >= 1")
+        values.append(int(item))
+    return values
+
+
+def default_geometries() -> list[tuple[int, int]]:
+    """The union of the model inventories' (N, K) in corpus/shapes/, without the synthetic grid."""
+    inventories = load_inventories(default_inventory_dir())
+    return sorted({g for inv in inventories if inv.name != GRID_NAME for g in inv.geometries()})
+
+
+def parse_plan(codebooks: str = DEFAULT_CODEBOOKS, ms: str = DEFAULT_MS, modes: str = DEFAULT_MODES,
+               shapes: Sequence[str | os.PathLike[str]] = (), limit: int | None = None,
+               hot: bool = False) -> SweepPlan:
+    """A plan from command-line text; every mistake raises one InputError naming it."""
+    names = CODEBOOKS if codebooks.strip().lower() == "all" else [get(c).name for c in _items(codebooks, "--codebooks")]
+    mode_list = _items(modes, "--modes")
+    for mode in mode_list:
+        if mode not in MODES:
+            raise InputError(f"--modes: unknown mode {mode!r}; known: {', '.join(MODES)}")
+    if limit is not None and limit < 1:
+        raise InputError(f"--limit must be >= 1, got {limit}")
+    if shapes:
+        geometries = sorted({g for inv in load_inventories(shapes) for g in inv.geometries()})
+    else:
+        geometries = default_geometries()
+    return SweepPlan(tuple(dict.fromkeys(names)), tuple(sorted(set(_positive_ints(ms, "--m")))),
+                     tuple(dict.fromkeys(mode_list)), tuple(geometries), TimingConfig(cold_l2=not hot), limit)
+
+
+def parse_devices(text: str) -> list[str]:
+    """CUDA device ids "0,1,..." (as CUDA_VISIBLE_DEVICES spells them), each at most once."""
+    ids = []
+    for item in _items(text, "--devices"):
+        if not item.isdigit():
+            raise InputError(f"--devices: {item!r} is not a device id (an integer >= 0)")
+        ids.append(str(int(item)))
+    if len(set(ids)) != len(ids):
+        raise InputError(f"--devices: {text!r} names a device twice")
+    return ids
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Timers
+
+
+@dataclass(frozen=True)
+class CellTiming:
+    stats: dict[str, Stats]  # candidate id -> stats
+    copies: int  # weight copies rotated through (1 = hot L2)
+
+
+class Timer(Protocol):
+    def provenance(self) -> Provenance: ...
+
+    def time_cell(self, codebook: str, m: int, n: int, k: int, mode: str,
+                  candidates: Sequence[Candidate]) -> CellTiming: ...
+
+
+class ReplayTimer:
+    """Serves the recorded stats of an existing corpus in place of a GPU, under that corpus's provenance, so
+    every later stage runs on a CPU. `delay_s` sleeps per cell, letting tests interrupt a sweep mid-way."""
+
+    def __init__(self, source: Corpus, delay_s: float = 0.0) -> None:
+        if len(source.provenances) != 1:
+            raise InputError(f"{source.folder}: replay needs a corpus of one provenance, found "
+                             f"{len(source.provenances)} ({', '.join(sorted(source.provenances)) or 'none'})")
+        (self._provenance,) = source.provenances.values()
+        self._folder, self._delay_s = source.folder, delay_s
+        self._records = {(r.cell, r.candidate): r for r in source.records}
+
+    def provenance(self) -> Provenance:
+        return self._provenance
+
+    def time_cell(self, codebook: str, m: int, n: int, k: int, mode: str,
+                  candidates: Sequence[Candidate]) -> CellTiming:
+        time.sleep(self._delay_s)
+        cell = Cell(codebook, m, n, k, mode)
+        found = []
+        for c in candidates:
+            record = self._records.get((cell, c.id))
+            if record is None:
+                raise InputError(f"{self._folder}: replay corpus has no record of cell {cell} for candidate {c.id}")
+            found.append(record)
+        return CellTiming({r.candidate: r.stats for r in found}, found[0].copies)
+
+
+def _uuid(raw: bytes) -> str:
+    """CUDA's 16 UUID bytes in nvidia-smi's spelling, GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx."""
+    h = raw.hex()
+    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
+
+
+def _nvidia_smi(gpu_uuid: str, query: str) -> list[str] | None:
+    """nvidia-smi's values for one GPU (by UUID: CUDA_VISIBLE_DEVICES renumbers devices), or None."""
+    try:
+        out = subprocess.run(["nvidia-smi", f"--id={gpu_uuid}", f"--query-gpu={query}",
+                              "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=60,
+                             check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    values = [v.strip() for v in out.strip().split(",")]
+    return values if len(values) == query.count(",") + 1 else None
+
+
+def _cuda_version(v: int) -> str:
+    return f"{v // 1000}.{v % 1000 // 10}"
+
+
+class GpuTimer:
+    """Times cells with CuPy on this process's CUDA device 0 (a --devices child sees only its own GPU).
+
+    Weights are random planes in the execution layout (finite fp16 scales, random codes), created on the
+    device once per (codebook, N, K) and reused for every M and mode: cells come grouped by geometry, so
+    caching the last geometry suffices. Copies rotate past 3x the device's L2 unless the config is hot."""
+
+    def __init__(self, config: TimingConfig) -> None:
+        from dispatch.timing import CupyBackend
+        from kernels import launch
+
+        # Nsight Systems / Compute attach through this variable; nothing timed under them enters a corpus.
+        if os.environ.get("CUDA_INJECTION64_PATH"):
+            raise InputError("a CUDA profiler is attached (CUDA_INJECTION64_PATH is set); sweep without it")
+        self._cp = cp = launch.require_cupy()
+        self._launch, self.config = launch, config
+        props = cp.cuda.runtime.getDeviceProperties(0)
+        self._l2 = int(props["l2CacheSize"])
+        self.stream = cp.cuda.Stream(non_blocking=True)
+        self._backend = CupyBackend(self.stream)
+        self._geometry: tuple[str, int, int] | None = None
+        self._copies: list[Any] = []
+        gpu_uuid = _uuid(bytes(props["uuid"]))
+        # Application clocks: what the GPU runs at under load (current clocks read idle values here).
+        smi = _nvidia_smi(gpu_uuid, "driver_version,clocks.applications.graphics,clocks.applications.memory")
+        self._provenance = Provenance(
+            gpu_name=props["name"].decode(),
+            gpu_uuid=gpu_uuid,
+            sm_count=int(props["multiProcessorCount"]),
+            l2_bytes=self._l2,
+            sm_clock_mhz=int(smi[1]) if smi and smi[1].isdigit() else None,
+            mem_clock_mhz=int(smi[2]) if smi and smi[2].isdigit() else None,
+            driver_version=smi[0] if smi else f"cuda-driver-api {_cuda_version(cp.cuda.runtime.driverGetVersion())}",
+            cuda_runtime=_cuda_version(cp.cuda.runtime.runtimeGetVersion()),
+            cupy_version=cp.__version__,
+            kernel_digest=program.digest(),
+            tool_version=__version__,
+            timing=timing_parameters(config),
+        )
+
+    def provenance(self) -> Provenance:
+        return self._provenance
+
+    def _random_weights(self, codebook: str, n: int, k: int, rng: Any) -> Any:
+        cp, book, kb = self._cp, get(codebook), k // 32
+
+        def halfs() -> Any:  # finite fp16 in [1e-3, 1e-2): no zero, inf or NaN scale
+            return (rng.random((kb, n), dtype=cp.float32) * 9e-3 + 1e-3).astype(cp.float16).view(cp.uint16)
+
+        def words(*shape: int) -> Any:
+            return rng.integers(0, 2**32, size=shape, dtype=cp.uint64).astype(cp.uint32)
+
+        return self._launch.DeviceWeights(codebook, n, k, words(kb, n, book.payload_bytes // 4), halfs(),
+                                          halfs() if book.asymmetric else None,
+                                          words(kb, n) if book.high_bits else None)
+
+    def _weights(self, codebook: str, n: int, k: int) -> list[Any]:
+        if self._geometry != (codebook, n, k):
+            self._geometry, self._copies = None, []
+            self._cp.get_default_memory_pool().free_all_blocks()  # the last geometry's copies, before new ones
+            rng = self._cp.random.default_rng(cell_seed(codebook, n, k, self.config.seed))
+            with self.stream:  # generated on the timing stream, so no launch can read them half-written
+                copies = [self._random_weights(codebook, n, k, rng)]
+                count = copies_for_cold_l2(copies[0].nbytes, self._l2) if self.config.cold_l2 else 1
+                copies += [self._random_weights(codebook, n, k, rng) for _ in range(count - 1)]
+            self.stream.synchronize()
+            self._geometry, self._copies = (codebook, n, k), copies
+        return self._copies
+
+    def time_cell(self, codebook: str, m: int, n: int, k: int, mode: str,
+                  candidates: Sequence[Candidate]) -> CellTiming:
+        cp, launch = self._cp, self._launch
+        copies = self._weights(codebook, n, k)
+        seed = cell_seed(codebook, m, n, k, mode, self.config.seed)
+        need = max(c.workspace_bytes(m, n, k) for c in candidates)
+        with self.stream:
+            # Standard normal activations: zeros would quantize to d_a = 0 and skip real work.
+            x = cp.random.default_rng(seed).standard_normal((m, k), dtype=cp.float32)
+            out = cp.empty((m, n), cp.float32)
+            workspace = cp.empty(-(-need // 4), cp.float32) if need else None
+        qact = launch.quantize_activations(x, self.stream)
+        for c in candidates:  # validate once; the timed launches skip the checks
+            launch.check_launch(c, copies[0], qact, out, workspace)
+
+        def bind(c: Candidate) -> Launch:
+            return lambda i: launch.gemv(c, copies[i], qact, out, self.stream, workspace=workspace, validate=False)
+
+        stats = time_candidates({c.id: bind(c) for c in candidates}, len(copies),
+                                replace(self.config, mode=mode), self._backend, seed=seed)
+        return CellTiming(stats, len(copies))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Running
+
+
+@dataclass(frozen=True)
+class SweepResult:
+    folders: tuple[str, ...]
+    provenances: tuple[str, ...]
+    cells: int  # in this run's plan (or part of it)
+    timed: int
+    skipped: int  # already in the corpus under the same provenance
+    records: int  # written by this run
+    seconds: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def merge(cls, parts: Iterable[SweepResult], seconds: float) -> SweepResult:
+        parts = list(parts)
+        return cls(tuple(sorted({f for p in parts for f in p.folders})),
+                   tuple(sorted({k for p in parts for k in p.provenances})),
+                   sum(p.cells for p in parts), sum(p.timed for p in parts), sum(p.skipped for p in parts),
+                   sum(p.records for p in parts), seconds)
+
+
+def _clock(seconds: float) -> str:
+    s = int(seconds)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+class Progress:
+    """One status line with an ETA on stderr: redrawn in place on a terminal, else a line every `every_s`."""
+
+    def __init__(self, total: int, label: str = "", stream: TextIO | None = None, every_s: float = 30.0) -> None:
+        self.stream = stream if stream is not None else sys.stderr
+        # Children of a --devices run share one terminal: in-place redraws would overwrite each other.
+        self.inplace = self.stream.isatty() and not label
+        self.total, self.label, self.every_s = total, label, every_s
+        self.start, self._last = time.monotonic(), -math.inf
+
+    def update(self, done: int, note: str) -> None:
+        now = time.monotonic()
+        final = done == self.total
+        if not final and now - self._last < (0.2 if self.inplace else self.every_s):
+            return
+        self._last = now
+        elapsed = now - self.start
+        eta = _clock(elapsed / done * (self.total - done)) if done else "?"
+        line = (f"{self.label}{done}/{self.total} cells ({100 * done / self.total:.1f}%), {_clock(elapsed)} "
+                f"elapsed, ETA {eta}: {note}")
+        self.stream.write(f"\r\x1b[K{line}" + ("\n" if final else "") if self.inplace else line + "\n")
+        self.stream.flush()
+
+
+def run_sweep(plan: SweepPlan, corpus_root: str | os.PathLike[str], timer: Timer, *,
+              part: tuple[int, int] = (0, 1), compact_at_end: bool = True, label: str = "") -> SweepResult:
+    """Time the plan's cells (part `part[0]` of `part[1]`) that corpus_root/<gpu-slug>/ lacks under the
+    timer's provenance, one shard per cell, then compact (a --devices parent compacts once, at the end)."""
+    start = time.monotonic()
+    provenance = timer.provenance()
+    folder = Path(corpus_root) / gpu_slug(provenance.gpu_name)
+    corpus.init(folder)
+    for action in corpus.recover(folder):
+        print(f"{label}{folder}: {action}", file=sys.stderr)
+    existing = corpus.load(folder, kernel_digest=provenance.kernel_digest, gpu_name=provenance.gpu_name)
+    done = existing.done_cells(provenance.key)
+    cells = plan.part(*part)
+    todo = [c for c in cells if c not in done]
+    progress = Progress(len(todo), label)
+    records = 0
+    for i, cell in enumerate(todo, start=1):
+        candidates = candidates_for(cell.m, cell.n, cell.k)
+        timing = timer.time_cell(cell.codebook, cell.m, cell.n, cell.k, cell.mode, candidates)
+        rows = [Record.measured(cell, c, timing.stats[c.id], timing.copies, provenance.key) for c in candidates]
+        corpus.write_shard(folder, provenance, rows)
+        records += len(rows)
+        progress.update(i, str(cell))
+    if compact_at_end:
+        corpus.compact(folder)
+    return SweepResult((str(folder),), (provenance.key,), len(cells), len(todo), len(cells) - len(todo), records,
+                       time.monotonic() - start)
+
+
+def run_devices(devices: Sequence[str], argv: Sequence[str]) -> SweepResult:
+    """One `python -m dispatch.cli sweep ARGV --device-index i` child per device, each seeing only its GPU
+    (CUDA_VISIBLE_DEVICES) and writing its own shards; then one deterministic compaction per folder."""
+    start = time.monotonic()
+    root = str(Path(__file__).resolve().parents[1])  # children import this checkout, wherever they start
+    pythonpath = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    children = []
+    for i, device in enumerate(devices):
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=device, PYTHONPATH=pythonpath)
+        cmd = [sys.executable, "-m", "dispatch.cli", "sweep", *argv, "--json",
+               "--device-index", str(i), "--device-count", str(len(devices))]
+        children.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True))
+    results, failed = [], []
+    for device, child in zip(devices, children, strict=True):
+        out, _ = child.communicate()
+        if child.returncode:
+            failed.append(f"device {device} (exit status {child.returncode})")
+        else:
+            results.append(SweepResult(**{k: tuple(v) if isinstance(v, list) else v
+                                          for k, v in json.loads(out).items()}))
+    if failed:
+        raise RuntimeError(f"sweep failed on {', '.join(failed)}; rerun to resume")
+    for folder in sorted({f for r in results for f in r.folders}):
+        corpus.compact(Path(folder))
+    return SweepResult.merge(results, time.monotonic() - start)

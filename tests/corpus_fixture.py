@@ -1,0 +1,80 @@
+"""A small synthetic corpus for CPU tests of the sweep and of every later stage (replay, train, certify).
+
+`build_corpus(root)` writes root/fake-gpu-9000/ with a record for every valid candidate of every cell of a
+few small geometries, under a fake provenance carrying the real kernel digest (so digest checks pass).
+The timings follow a crude but plausible model, so a policy has something to learn: time = bytes read at
+3 TB/s, slowed when the grid cannot fill the GPU, plus a launch cost per kernel (more in eager mode), with
+a few percent of deterministic per-candidate noise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+
+from dispatch import __version__, corpus
+from dispatch.corpus import Cell, Provenance, Record, gpu_slug, timing_parameters
+from dispatch.shapes import Inventory, Shape, write_inventory
+from dispatch.timing import Stats, TimingConfig, cell_seed
+from kernels import program
+from kernels.codebooks import get
+from kernels.registry import Candidate, candidates_for
+
+FAKE_GPU = "Fake GPU 9000"
+FAKE_UUID = "GPU-00000000-0000-0000-0000-000000000001"
+FAKE_SMS = 132
+GEOMETRIES: tuple[tuple[int, int], ...] = ((256, 512), (1024, 4096))  # (N, K)
+CODEBOOKS = ("Q4_0", "Q8_0")
+MS = (1, 4)
+MODES = ("graph", "eager")
+
+
+def fake_provenance(gpu_name: str = FAKE_GPU, gpu_uuid: str = FAKE_UUID, kernel_digest: str | None = None,
+                    timing: TimingConfig | None = None) -> Provenance:
+    return Provenance(
+        gpu_name=gpu_name, gpu_uuid=gpu_uuid, sm_count=FAKE_SMS, l2_bytes=50 << 20, sm_clock_mhz=1980,
+        mem_clock_mhz=3201, driver_version="999.0", cuda_runtime="13.0", cupy_version=None,
+        kernel_digest=kernel_digest or program.digest(), tool_version=__version__,
+        timing=timing_parameters(timing or TimingConfig()),
+    )
+
+
+def cells(geometries: Iterable[tuple[int, int]] = GEOMETRIES, codebooks: Iterable[str] = CODEBOOKS,
+          ms: Iterable[int] = MS, modes: Iterable[str] = MODES) -> list[Cell]:
+    return sorted(Cell(cb, m, n, k, mode) for cb in codebooks for n, k in geometries for m in ms for mode in modes)
+
+
+def fake_stats(cell: Cell, candidate: Candidate) -> Stats:
+    weight_bytes = cell.n * cell.k * get(cell.codebook).bits_per_weight / 8
+    (gx, gy, _), _ = candidate.launch_geometry(cell.m, cell.n, cell.k)
+    fill = min(1.0, gx * gy / (4 * FAKE_SMS))
+    launch_us = (3.0 if cell.mode == "eager" else 1.5) * candidate.launches
+    noise = np.random.default_rng(cell_seed(cell.codebook, cell.m, cell.n, cell.k, cell.mode, candidate.id))
+    median = (weight_bytes / (3.0e6 * fill) + launch_us) * (1.0 + 0.05 * float(noise.random()))
+    mad = 0.01 * median
+    return Stats(median, median - 2 * mad, median + 3 * mad, mad, 25, 100, False)
+
+
+def fake_records(cell: Cell, provenance: Provenance) -> list[Record]:
+    return [Record.measured(cell, c, fake_stats(cell, c), 8, provenance.key)
+            for c in candidates_for(cell.m, cell.n, cell.k)]
+
+
+def build_corpus(root: Path, provenance: Provenance | None = None, **plan: Iterable) -> Path:
+    """Write one shard per cell (as a sweep does) into root/<gpu-slug>/, compact, return the folder.
+    `plan` may override geometries, codebooks, ms, modes (see `cells`)."""
+    provenance = provenance or fake_provenance()
+    folder = Path(root) / gpu_slug(provenance.gpu_name)
+    corpus.init(folder)
+    for cell in cells(**plan):
+        corpus.write_shard(folder, provenance, fake_records(cell, provenance))
+    corpus.compact(folder)
+    return folder
+
+
+def write_shapes(path: Path, geometries: Iterable[tuple[int, int]] = GEOMETRIES) -> Path:
+    """An inventory file holding `geometries`, for `sweep --shapes`."""
+    shapes = tuple(Shape(n, k, f"g{i}", "fixture", "fixture") for i, (n, k) in enumerate(geometries))
+    return write_inventory(Inventory("fixture", "fixture", "tests/corpus_fixture.py", shapes), path)

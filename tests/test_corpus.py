@@ -1,0 +1,306 @@
+"""The corpus on disk: records and provenance, atomic hashed shards, manifest, verification, compaction."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from corpus_fixture import FAKE_GPU, build_corpus, cells, fake_provenance, fake_records
+
+from dispatch import corpus
+from dispatch.cli import main
+from dispatch.corpus import MANIFEST, SHARDS, Cell, Provenance, Record, compact, gpu_slug, load, write_shard
+from dispatch.timing import TimingConfig
+from kernels.errors import InputError
+
+PROV = fake_provenance()
+
+
+def tree(folder: Path) -> dict[str, bytes]:
+    """Every file under folder, by relative path: what two corpora must agree on byte for byte."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def shard_paths(folder: Path) -> list[Path]:
+    return sorted((folder / SHARDS).glob("*.jsonl"))
+
+
+def new_folder(tmp_path: Path, name: str = "c") -> Path:
+    folder = tmp_path / name
+    corpus.init(folder)
+    return folder
+
+
+# --- records and provenance ----------------------------------------------------------------------------
+
+def test_record_and_provenance_round_trip_through_json():
+    record = fake_records(cells()[0], PROV)[0]
+    assert Record.from_dict(json.loads(record.to_json()), "here") == record
+    again = Provenance.from_dict(json.loads(json.dumps(PROV.to_dict())), "here")
+    assert again == PROV and again.key == PROV.key and len(PROV.key) == 16
+
+
+def test_provenance_key_ignores_clocks_but_not_sources_gpu_or_timing():
+    assert dataclasses.replace(PROV, sm_clock_mhz=345, mem_clock_mhz=None).key == PROV.key
+    assert fake_provenance(kernel_digest="0" * 64).key != PROV.key
+    assert fake_provenance(gpu_uuid="GPU-other").key != PROV.key
+    assert fake_provenance(timing=TimingConfig(cold_l2=False)).key != PROV.key
+    assert "mode" not in PROV.timing  # the mode is part of each cell, not of the provenance
+
+
+def test_record_fields_are_type_checked():
+    data = json.loads(fake_records(cells()[0], PROV)[0].to_json())
+    for field, value in (("m", True), ("median_us", "fast"), ("mode", "lazy")):
+        with pytest.raises(InputError, match=f"line 7.*{field}"):
+            Record.from_dict({**data, field: value}, "line 7")
+    with pytest.raises(InputError, match="unexpected fields"):
+        Record.from_dict({**data, "extra": 1}, "line 7")
+
+
+def test_gpu_slug():
+    assert gpu_slug("NVIDIA H200") == "nvidia-h200"
+    assert gpu_slug(FAKE_GPU) == "fake-gpu-9000"
+    with pytest.raises(InputError):
+        gpu_slug("  ")
+
+
+# --- writing ------------------------------------------------------------------------------------------
+
+def test_shards_are_atomic_hashed_and_listed_in_the_manifest(tmp_path):
+    folder = new_folder(tmp_path)
+    names = [write_shard(folder, PROV, fake_records(cell, PROV)) for cell in cells()[:3]]
+    manifest = json.loads((folder / MANIFEST).read_text())
+    assert sorted(manifest["shards"]) == sorted(names) == [p.name for p in shard_paths(folder)]
+    for path in shard_paths(folder):
+        entry = manifest["shards"][path.name]
+        assert entry["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
+        assert entry["records"] == len(path.read_text().splitlines()) - 1
+        assert path.name.startswith(PROV.key)
+    assert sorted(os.listdir(folder / SHARDS)) == sorted(names)  # no temp file left behind
+    assert sorted(os.listdir(folder)) == [MANIFEST, SHARDS]
+
+
+def test_same_records_give_the_same_shard_and_nothing_is_rewritten(tmp_path):
+    folder = new_folder(tmp_path)
+    records = fake_records(cells()[0], PROV)
+    name = write_shard(folder, PROV, records)
+    mtime = (folder / SHARDS / name).stat().st_mtime_ns
+    assert write_shard(folder, PROV, reversed(records)) == name
+    assert (folder / SHARDS / name).stat().st_mtime_ns == mtime
+
+
+def test_a_failure_mid_write_leaves_no_partial_shard(tmp_path, monkeypatch):
+    folder = new_folder(tmp_path)
+    write_shard(folder, PROV, fake_records(cells()[0], PROV))
+    before = tree(folder)
+
+    def broken_fsync(fd: int) -> None:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "fsync", broken_fsync)
+    with pytest.raises(OSError, match="disk full"):
+        write_shard(folder, PROV, fake_records(cells()[1], PROV))
+    monkeypatch.undo()
+    assert tree(folder) == before
+    assert len(load(folder).cells()) == 1
+
+
+# --- verification -------------------------------------------------------------------------------------
+
+def test_load_returns_sorted_records_and_the_cell_index(tmp_path):
+    folder = build_corpus(tmp_path)
+    loaded = load(folder)
+    assert list(loaded.records) == sorted(loaded.records, key=lambda r: r.ident)
+    assert loaded.cells() == cells()
+    cell = cells()[0]
+    assert {r.candidate for r in loaded.records_for(cell)} == {r.candidate for r in fake_records(cell, PROV)}
+    assert loaded.records_for(Cell("Q4_0", 1, 32, 32, "graph")) == []
+    assert loaded.done_cells(PROV.key) == set(cells())
+    assert loaded.done_cells("someone-else") == set()
+    assert loaded.provenances == {PROV.key: PROV}
+
+
+def test_truncated_shard_is_named(tmp_path):
+    folder = build_corpus(tmp_path)
+    (path,) = shard_paths(folder)
+    path.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(InputError, match=f"{path.name}.*truncated or altered"):
+        load(folder)
+
+
+def test_altered_shard_is_named(tmp_path):
+    folder = build_corpus(tmp_path)
+    (path,) = shard_paths(folder)
+    text = path.read_text()
+    path.write_text(text.replace('"median_us":', '"median_us":1', 1))
+    with pytest.raises(InputError, match=f"{path.name}.*SHA-256"):
+        load(folder)
+
+
+def test_shard_missing_from_the_manifest_and_manifest_entry_without_file(tmp_path):
+    folder = build_corpus(tmp_path)
+    (path,) = shard_paths(folder)
+    stray = folder / SHARDS / "stray.jsonl"
+    stray.write_bytes(path.read_bytes())
+    with pytest.raises(InputError, match=r"stray\.jsonl: shard is not in the manifest"):
+        load(folder)
+    stray.unlink()
+    path.unlink()
+    with pytest.raises(InputError, match=f"{path.name}: listed in the manifest but missing"):
+        load(folder)
+
+
+def test_not_a_corpus(tmp_path):
+    with pytest.raises(InputError, match="no such corpus folder"):
+        load(tmp_path / "nope")
+    with pytest.raises(InputError, match=r"no manifest\.json"):
+        load(tmp_path)
+    (tmp_path / MANIFEST).write_text("{")
+    with pytest.raises(InputError, match="unreadable manifest"):
+        load(tmp_path)
+
+
+def test_other_gpu_or_kernel_digest_is_refused_by_shard_name(tmp_path):
+    folder = build_corpus(tmp_path)
+    other_gpu = fake_provenance(gpu_name="Other GPU")
+    name = write_shard(folder, other_gpu, fake_records(cells()[0], other_gpu))
+    with pytest.raises(InputError, match=f"{name}: gpu_name 'Other GPU' is not '{FAKE_GPU}'"):
+        load(folder)
+
+    folder = build_corpus(tmp_path / "b")
+    old = fake_provenance(kernel_digest="0" * 64)
+    name = write_shard(folder, old, fake_records(cells()[0], old))
+    with pytest.raises(InputError, match=f"{name}: kernel_digest '0000"):
+        load(folder)
+
+    folder = build_corpus(tmp_path / "c")
+    (shard,) = shard_paths(folder)
+    with pytest.raises(InputError, match=f"{shard.name}: kernel_digest .* is not '1111"):
+        load(folder, kernel_digest="1" * 64)
+    with pytest.raises(InputError, match=f"{shard.name}: gpu_uuid .* is not 'GPU-x'"):
+        load(folder, gpu_uuid="GPU-x")
+    assert load(folder, gpu_uuid=PROV.gpu_uuid, kernel_digest=PROV.kernel_digest, gpu_name=FAKE_GPU).records
+
+
+def test_two_uuids_of_one_gpu_model_may_share_a_folder(tmp_path):
+    folder = build_corpus(tmp_path)
+    twin = fake_provenance(gpu_uuid="GPU-twin")
+    write_shard(folder, twin, fake_records(cells()[0], twin))
+    loaded = load(folder)
+    assert set(loaded.provenances) == {PROV.key, twin.key}
+    assert len(loaded.records_for(cells()[0])) == 2 * len(fake_records(cells()[0], PROV))
+
+
+# --- combining ----------------------------------------------------------------------------------------
+
+def test_duplicates_collapse_and_compaction_is_deterministic_byte_for_byte(tmp_path):
+    all_cells = cells()
+    retimed = [dataclasses.replace(r, median_us=r.median_us * 2) for r in fake_records(all_cells[0], PROV)]
+    batches = [fake_records(c, PROV) for c in all_cells] + [retimed]
+    a, b = new_folder(tmp_path, "a"), new_folder(tmp_path, "b")
+    for batch in batches:
+        write_shard(a, PROV, batch)
+    for batch in reversed(batches):
+        write_shard(b, PROV, batch)
+    assert load(a).records == load(b).records
+    assert len(load(a).records) == sum(len(batch) for batch in batches[:-1])  # the re-timed cell once
+    assert compact(a) == (len(batches), 1)
+    compact(b)
+    assert tree(a) == tree(b)
+    assert len(shard_paths(a)) == 1
+    before = tree(a)
+    assert compact(a) == (1, 1) and tree(a) == before  # idempotent
+
+
+def test_compaction_keeps_one_shard_per_provenance(tmp_path):
+    folder = build_corpus(tmp_path)
+    twin = fake_provenance(gpu_uuid="GPU-twin")
+    for cell in cells()[:2]:
+        write_shard(folder, twin, fake_records(cell, twin))
+    records = load(folder).records
+    assert compact(folder) == (3, 2)
+    assert load(folder).records == records
+
+
+# --- recovery after a crash ---------------------------------------------------------------------------
+
+def test_recover_adopts_a_complete_orphan_and_removes_temps(tmp_path):
+    folder = build_corpus(tmp_path)
+    records = load(folder).records
+    manifest = (folder / MANIFEST).read_bytes()
+    # A crash between renaming a shard into place and listing it: an orphan, plus an unfinished temp.
+    orphan = build_corpus(tmp_path / "other", geometries=((512, 1024),))
+    (orphan_path,) = shard_paths(orphan)
+    (folder / SHARDS / orphan_path.name).write_bytes(orphan_path.read_bytes())
+    (folder / SHARDS / ".x.jsonl.123.tmp").write_bytes(b"{partial")
+    with pytest.raises(InputError, match="not in the manifest"):
+        load(folder)
+    actions = corpus.recover(folder)
+    assert len(actions) == 2
+    loaded = load(folder)
+    assert set(records) < set(loaded.records)
+    assert not list((folder / SHARDS).glob(".*"))
+    assert (folder / MANIFEST).read_bytes() != manifest
+
+
+def test_recover_refuses_a_broken_orphan_by_name(tmp_path):
+    folder = build_corpus(tmp_path)
+    (path,) = shard_paths(folder)
+    (folder / SHARDS / "broken.jsonl").write_bytes(path.read_bytes()[:-10])
+    with pytest.raises(InputError, match=r"broken\.jsonl"):
+        corpus.recover(folder)
+
+
+def test_a_crash_inside_compaction_loses_nothing(tmp_path, monkeypatch):
+    folder = new_folder(tmp_path)
+    for cell in cells():
+        write_shard(folder, PROV, fake_records(cell, PROV))
+    records = load(folder).records
+
+    def crash(self: Path) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Path, "unlink", crash)  # dies after the merged shard and manifest are written
+    with pytest.raises(KeyboardInterrupt):
+        compact(folder)
+    monkeypatch.undo()
+    assert load(folder).records == records  # old files are `retired`: present but ignored
+    assert json.loads((folder / MANIFEST).read_text())["retired"]
+    compact(folder)
+    assert load(folder).records == records and len(shard_paths(folder)) == 1
+    assert json.loads((folder / MANIFEST).read_text())["retired"] == []
+
+
+# --- CLI ----------------------------------------------------------------------------------------------
+
+def test_corpus_check_and_compact_cli(tmp_path):
+    folder = new_folder(tmp_path)
+    for cell in cells():
+        write_shard(folder, PROV, fake_records(cell, PROV))
+    runner = CliRunner()
+    result = runner.invoke(main, ["corpus", "check", str(folder), "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["shards"] == len(cells()) and report["cells"] == len(cells())
+    assert report["provenances"][PROV.key]["records"] == report["records"] == len(load(folder).records)
+    result = runner.invoke(main, ["corpus", "compact", str(folder)])
+    assert result.exit_code == 0 and f"{len(cells())} shards -> 1" in result.stdout
+    result = runner.invoke(main, ["corpus", "check", str(folder)])
+    assert result.exit_code == 0 and "ok, 1 shards" in result.stdout
+
+
+@pytest.mark.parametrize("command", ["check", "compact"])
+def test_corpus_cli_errors_are_one_line(tmp_path, command):
+    result = CliRunner().invoke(main, ["corpus", command, str(tmp_path / "nope")])
+    assert result.exit_code == 2
+    assert result.stderr.strip().count("\n") == 0 and "no such corpus folder" in result.stderr
+    folder = build_corpus(tmp_path)
+    (path,) = shard_paths(folder)
+    path.write_bytes(path.read_bytes()[:-1])
+    result = CliRunner().invoke(main, ["corpus", command, str(folder)])
+    assert result.exit_code == 2 and path.name in result.stderr and result.stderr.count("\n") == 1
