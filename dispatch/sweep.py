@@ -37,6 +37,12 @@ DEFAULT_MS = "1,4,16"
 DEFAULT_MODES = "graph"
 
 
+def sweep_timing(hot: bool = False) -> TimingConfig:
+    """The sweep's timing parameters: the harness defaults with at most 15 rounds, so ~20 candidates over
+    ~600 cells fit a 10-minute budget; racing ends most cells earlier."""
+    return TimingConfig(cold_l2=not hot, max_rounds=15)
+
+
 @dataclass(frozen=True)
 class SweepPlan:
     codebooks: tuple[str, ...]
@@ -112,7 +118,7 @@ def parse_plan(codebooks: str = DEFAULT_CODEBOOKS, ms: str = DEFAULT_MS, modes: 
     else:
         geometries = default_geometries()
     return SweepPlan(tuple(dict.fromkeys(names)), tuple(sorted(set(_positive_ints(ms, "--m")))),
-                     tuple(dict.fromkeys(mode_list)), tuple(geometries), TimingConfig(cold_l2=not hot), limit)
+                     tuple(dict.fromkeys(mode_list)), tuple(geometries), sweep_timing(hot), limit)
 
 
 def parse_devices(text: str) -> list[str]:
