@@ -131,9 +131,9 @@ def sweep_command(corpus_root: Path | None, replay: Path | None, devices: str | 
     """Time every candidate kernel over (codebook, M, N, K, mode) cells into CORPUS_ROOT/<gpu>/.
 
     Default plan: the (N, K) of every model inventory in corpus/shapes/, all six codebooks, M in {1, 4, 16},
-    graph mode, cold L2, racing: 1728 cells, about 6.5 minutes on one H200. One shard per finished cell: an interrupted sweep loses at most the cell in
-    flight, and a rerun skips the cells already measured with the same provenance (GPU, driver, kernel
-    sources, tool, timing parameters). Progress and ETA go to stderr."""
+    graph mode, cold L2, racing: 1728 cells, about 6.5 minutes on one H200. One shard per finished cell: an
+    interrupted sweep loses at most the cell in flight, and a rerun skips the cells already measured with the
+    same provenance (GPU, driver, kernel sources, tool, timing parameters). Progress and ETA go to stderr."""
     from dispatch import sweep
     from dispatch.corpus import load
     from dispatch.shapes import default_inventory_dir

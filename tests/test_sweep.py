@@ -50,12 +50,12 @@ def invoke(*args: str) -> object:
 
 # --- plans --------------------------------------------------------------------------------------------
 
-def test_default_plan_is_the_model_inventories_two_codebooks_three_ms_graph():
+def test_default_plan_is_the_model_inventories_all_codebooks_three_ms_graph():
     plan = parse_plan()
-    assert plan.codebooks == ("Q4_0", "Q8_0") and plan.ms == (1, 4, 16) and plan.modes == ("graph",)
+    assert plan.codebooks == CODEBOOKS and plan.ms == (1, 4, 16) and plan.modes == ("graph",)
     assert plan.timing.cold_l2 and plan.timing.race
     assert len(plan.geometries) == 96
-    assert len(plan.cells()) == 96 * 2 * 3 == 576
+    assert len(plan.cells()) == 96 * 6 * 3 == 1728
 
 
 def test_plan_options_widen_and_limit(shapes):
@@ -106,9 +106,10 @@ def test_replay_sweep_through_the_cli_reproduces_its_source(source, shapes, tmp_
 
 def test_run_sweep_skips_done_cells_and_limit_cuts_the_plan(source, shapes, tmp_path):
     timer = ReplayTimer(load(source))
-    first = run_sweep(parse_plan(shapes=[shapes], ms="1,4", modes="graph,eager", limit=3), tmp_path, timer)
+    fixture_plan = {"codebooks": "Q4_0,Q8_0", "shapes": [shapes], "ms": "1,4", "modes": "graph,eager"}
+    first = run_sweep(parse_plan(**fixture_plan, limit=3), tmp_path, timer)
     assert (first.cells, first.timed, first.skipped) == (3, 3, 0)
-    second = run_sweep(parse_plan(shapes=[shapes], ms="1,4", modes="graph,eager"), tmp_path, timer)
+    second = run_sweep(parse_plan(**fixture_plan), tmp_path, timer)
     assert (second.cells, second.timed, second.skipped) == (len(cells()), len(cells()) - 3, 3)
     assert tree(tmp_path / SLUG) == tree(source)
 
