@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dispatch.timing import Launch, Stats, TimingConfig, copies_for_cold_l2, time_candidates
 from kernels import launch
-from kernels.codebooks import CODEBOOKS, get
+from kernels.codebooks import CODEBOOKS
 from kernels.registry import candidates_for
 
 ANCHORS = [(4096, 4096), (14336, 4096), (4096, 14336), (5120, 5120), (27648, 5120), (5120, 27648),
@@ -55,24 +55,17 @@ def device_props() -> dict[str, Any]:
     return {"name": p["name"].decode(), "sm_count": p["multiProcessorCount"], "l2_bytes": p["l2CacheSize"]}
 
 
-def random_weights(codebook: str, n: int, k: int, rng: cp.random.Generator) -> launch.DeviceWeights:
-    """Device planes of random codes and finite fp16 scales/mins in [1e-3, 1e-2)."""
-    book, kb = get(codebook), k // 32
-
-    def halfs() -> Any:
-        return (rng.random((kb, n), dtype=cp.float32) * 9e-3 + 1e-3).astype(cp.float16).view(cp.uint16)
-
-    def words(*shape: int) -> Any:
-        return rng.integers(0, 2**32, size=shape, dtype=cp.uint64).astype(cp.uint32)
-
-    return launch.DeviceWeights(codebook, n, k, words(kb, n, book.payload_bytes // 4), halfs(),
-                                halfs() if book.asymmetric else None, words(kb, n) if book.high_bits else None)
+def weight_copies(codebook: str, n: int, k: int, rng: cp.random.Generator, l2: int) -> list[launch.DeviceWeights]:
+    """Random weight copies whose rotation reads more than 3x L2."""
+    first = launch.random_weights(codebook, n, k, rng)
+    rest = copies_for_cold_l2(first.nbytes, l2) - 1
+    return [first] + [launch.random_weights(codebook, n, k, rng) for _ in range(rest)]
 
 
 def time_ours(codebook: str, m: int, n: int, k: int, l2: int, stream: Any) -> tuple[str, Stats, int]:
     rng = cp.random.default_rng(n * 7919 + k)
-    first = random_weights(codebook, n, k, rng)
-    copies = [first] + [random_weights(codebook, n, k, rng) for _ in range(copies_for_cold_l2(first.nbytes, l2) - 1)]
+    copies = weight_copies(codebook, n, k, rng, l2)
+    first = copies[0]
     with stream:
         x = rng.standard_normal((m, k), dtype=cp.float32)
     qact = launch.quantize_activations(x, stream)

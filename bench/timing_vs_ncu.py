@@ -25,8 +25,8 @@ import cupy as cp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.kernels import random_weights
-from dispatch.timing import CupyBackend, TimingConfig, copies_for_cold_l2, time_candidates
+from bench.kernels import weight_copies
+from dispatch.timing import CupyBackend, TimingConfig, time_candidates
 from kernels import launch
 from kernels.registry import by_id
 
@@ -41,9 +41,8 @@ def setup(case: tuple, stream: cp.cuda.Stream) -> tuple:
     codebook, m, n, k, cid = case
     rng = cp.random.default_rng(n + k)
     cand = by_id(cid)
-    first = random_weights(codebook, n, k, rng)
-    l2 = cp.cuda.runtime.getDeviceProperties(0)["l2CacheSize"]
-    copies = [first] + [random_weights(codebook, n, k, rng) for _ in range(copies_for_cold_l2(first.nbytes, l2) - 1)]
+    copies = weight_copies(codebook, n, k, rng, cp.cuda.runtime.getDeviceProperties(0)["l2CacheSize"])
+    first = copies[0]
     with stream:
         x = rng.standard_normal((m, k), dtype=cp.float32)
     qact = launch.quantize_activations(x, stream)

@@ -244,28 +244,15 @@ class GpuTimer:
     def provenance(self) -> Provenance:
         return self._provenance
 
-    def _random_weights(self, codebook: str, n: int, k: int, rng: Any) -> Any:
-        cp, book, kb = self._cp, get(codebook), k // 32
-
-        def halfs() -> Any:  # finite fp16 in [1e-3, 1e-2): no zero, inf or NaN scale
-            return (rng.random((kb, n), dtype=cp.float32) * 9e-3 + 1e-3).astype(cp.float16).view(cp.uint16)
-
-        def words(*shape: int) -> Any:
-            return rng.integers(0, 2**32, size=shape, dtype=cp.uint64).astype(cp.uint32)
-
-        return self._launch.DeviceWeights(codebook, n, k, words(kb, n, book.payload_bytes // 4), halfs(),
-                                          halfs() if book.asymmetric else None,
-                                          words(kb, n) if book.high_bits else None)
-
     def _weights(self, codebook: str, n: int, k: int) -> list[Any]:
         if self._geometry != (codebook, n, k):
             self._geometry, self._copies = None, []
             self._cp.get_default_memory_pool().free_all_blocks()  # the last geometry's copies, before new ones
             rng = self._cp.random.default_rng(cell_seed(codebook, n, k, self.config.seed))
             with self.stream:  # generated on the timing stream, so no launch can read them half-written
-                copies = [self._random_weights(codebook, n, k, rng)]
+                copies = [self._launch.random_weights(codebook, n, k, rng)]
                 count = copies_for_cold_l2(copies[0].nbytes, self._l2) if self.config.cold_l2 else 1
-                copies += [self._random_weights(codebook, n, k, rng) for _ in range(count - 1)]
+                copies += [self._launch.random_weights(codebook, n, k, rng) for _ in range(count - 1)]
             self.stream.synchronize()
             self._geometry, self._copies = (codebook, n, k), copies
         return self._copies

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from kernels import program
+from kernels.codebooks import get
 from kernels.errors import InputError
 from kernels.layout import PackedWeights
 from kernels.registry import FOLD_THREADS, Candidate, instantiations
@@ -76,6 +77,22 @@ def to_device(packed: PackedWeights) -> DeviceWeights:
         min=put(packed.min, np.uint16),
         high=put(packed.high),
     )
+
+
+def random_weights(codebook: str, n: int, k: int, rng: Any) -> DeviceWeights:
+    """Device planes of random codes with finite fp16 scales and mins in [1e-3, 1e-2): timing inputs that
+    are never zeros or special values. `rng` is a cupy.random.Generator."""
+    cp = require_cupy()
+    book, kb = get(codebook), k // 32
+
+    def halfs() -> Any:
+        return (rng.random((kb, n), dtype=cp.float32) * 9e-3 + 1e-3).astype(cp.float16).view(cp.uint16)
+
+    def words(*shape: int) -> Any:
+        return rng.integers(0, 2**32, size=shape, dtype=cp.uint64).astype(cp.uint32)
+
+    return DeviceWeights(codebook, n, k, words(kb, n, book.payload_bytes // 4), halfs(),
+                         halfs() if book.asymmetric else None, words(kb, n) if book.high_bits else None)
 
 
 def empty_activations(m: int, k: int) -> DeviceActivations:
