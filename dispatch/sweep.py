@@ -215,7 +215,7 @@ class GpuTimer:
         # Nsight Systems / Compute attach through this variable; nothing timed under them enters a corpus.
         if os.environ.get("CUDA_INJECTION64_PATH"):
             raise InputError("a CUDA profiler is attached (CUDA_INJECTION64_PATH is set); sweep without it")
-        self._cp = cp = launch.require_cupy()
+        self._cp = cp = launch.require_device()
         self._launch, self.config = launch, config
         props = cp.cuda.runtime.getDeviceProperties(0)
         self._l2 = int(props["l2CacheSize"])

@@ -30,6 +30,18 @@ def require_cupy() -> Any:
     return cupy
 
 
+def require_device() -> Any:
+    """CuPy, once a CUDA device is known to be usable; otherwise one clear InputError."""
+    cp = require_cupy()
+    try:
+        count = cp.cuda.runtime.getDeviceCount()
+    except cp.cuda.runtime.CUDARuntimeError as err:
+        raise InputError(f"no usable CUDA device: {err}") from None
+    if count == 0:
+        raise InputError("no CUDA device is visible")
+    return cp
+
+
 @dataclass(frozen=True)
 class DeviceWeights:
     codebook: str

@@ -260,3 +260,23 @@ def test_gpu_sweep_smoke(tmp_path, shapes):
         assert 0 < record.p5_us <= record.median_us <= record.p95_us and record.copies == 1
     again = json.loads(invoke(*args).stdout)
     assert (again["timed"], again["skipped"]) == (0, 4)
+
+
+def test_sweep_without_a_usable_device_is_one_line(monkeypatch, tmp_path):
+    """CuPy present but no driver or device: one clear line and exit 2, not a CUDA traceback."""
+    from types import SimpleNamespace
+
+    from kernels import launch
+
+    class CUDARuntimeError(RuntimeError):
+        pass
+
+    def no_driver() -> int:
+        raise CUDARuntimeError("cudaErrorInsufficientDriver: CUDA driver version is insufficient")
+
+    runtime = SimpleNamespace(CUDARuntimeError=CUDARuntimeError, getDeviceCount=no_driver)
+    monkeypatch.setattr(launch, "cupy", SimpleNamespace(cuda=SimpleNamespace(runtime=runtime)))
+    result = CliRunner().invoke(main, ["sweep", "--limit", "1", "--corpus-root", str(tmp_path)])
+    assert result.exit_code == 2
+    assert result.output.strip() == "error: no usable CUDA device: cudaErrorInsufficientDriver: CUDA driver version " \
+        "is insufficient"
