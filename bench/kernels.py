@@ -23,9 +23,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dispatch.timing import Launch, Stats, TimingConfig, copies_for_cold_l2, time_candidates
-from kernels import launch
-from kernels.codebooks import CODEBOOKS
+from dispatch.sweep import GpuTimer
+from dispatch.timing import CupyBackend, Launch, Rotation, Stats, TimingConfig, copies_for_cold_l2, time_candidates
+from kernels.codebooks import CODEBOOKS, get
 from kernels.registry import candidates_for
 
 ANCHORS = [(4096, 4096), (14336, 4096), (4096, 14336), (5120, 5120), (27648, 5120), (5120, 27648),
@@ -55,34 +55,11 @@ def device_props() -> dict[str, Any]:
     return {"name": p["name"].decode(), "sm_count": p["multiProcessorCount"], "l2_bytes": p["l2CacheSize"]}
 
 
-def weight_copies(codebook: str, n: int, k: int, rng: cp.random.Generator, l2: int) -> list[launch.DeviceWeights]:
-    """Random weight copies whose rotation reads more than 3x L2."""
-    first = launch.random_weights(codebook, n, k, rng)
-    rest = copies_for_cold_l2(first.nbytes, l2) - 1
-    return [first] + [launch.random_weights(codebook, n, k, rng) for _ in range(rest)]
-
-
-def time_ours(codebook: str, m: int, n: int, k: int, l2: int, stream: Any) -> tuple[str, Stats, int]:
-    rng = cp.random.default_rng(n * 7919 + k)
-    copies = weight_copies(codebook, n, k, rng, l2)
-    first = copies[0]
-    with stream:
-        x = rng.standard_normal((m, k), dtype=cp.float32)
-    qact = launch.quantize_activations(x, stream)
-    out = cp.empty((m, n), cp.float32)
-    cands = candidates_for(m, n, k)
-    ws = cp.empty(max(c.workspace_bytes(m, n, k) for c in cands) // 4 + 1, cp.float32)
-    for c in cands:  # validate once; timed launches skip the checks
-        launch.check_launch(c, first, qact, out, ws if c.workspace_bytes(m, n, k) else None)
-
-    def make(c: Any) -> Launch:
-        return lambda i: launch.gemv(c, copies[i], qact, out, stream, workspace=ws, validate=False)
-
-    from dispatch.timing import CupyBackend
-
-    stats = time_candidates({c.id: make(c) for c in cands}, len(copies), CONFIG, CupyBackend(stream))
+def time_ours(timer: GpuTimer, codebook: str, m: int, n: int, k: int) -> tuple[str, Stats]:
+    """Every candidate of the cell, timed exactly as the sweep times it; the fastest one."""
+    stats = timer.time_cell(codebook, m, n, k, CONFIG.mode, candidates_for(m, n, k)).stats
     best = min(stats, key=lambda c: stats[c].median_us)
-    return best, stats[best], first.nbytes
+    return best, stats[best]
 
 
 class TorchBackend:
@@ -94,15 +71,15 @@ class TorchBackend:
 
         self.torch, self.stream = torch, torch.cuda.Stream()
 
-    def prepare(self, fn: Launch, copies: int, replays: int, mode: str) -> Any:
+    def prepare(self, fn: Launch, rotation: Rotation, mode: str) -> Any:
         torch, stream = self.torch, self.stream
         with torch.cuda.stream(stream):
-            fn(0)
+            fn(rotation[0])
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
-            for j in range(replays):
-                fn(j % copies)
+            for i in rotation:
+                fn(i)
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
         class Window:
@@ -158,8 +135,6 @@ def read_ceiling(l2: int, stream: Any) -> float:
         with stream:
             kernel((sms * 4,), (512,), (bufs[i], np.uint64(chunk // 16), sink))
 
-    from dispatch.timing import CupyBackend
-
     us = time_candidates({"stream": run}, len(bufs), CONFIG, CupyBackend(stream))["stream"].median_us
     return chunk / us / 1e3
 
@@ -171,9 +146,9 @@ def main() -> None:
     args = ap.parse_args()
     props = device_props()
     l2 = props["l2_bytes"]
-    stream = cp.cuda.Stream(non_blocking=True)
+    timer = GpuTimer(CONFIG)
     t0 = time.time()
-    ceiling = read_ceiling(l2, stream)
+    ceiling = read_ceiling(l2, timer.stream)
     print(f"{props['name']}: read ceiling {ceiling:.0f} GB/s (16-byte streaming loads)", flush=True)
     backend = TorchBackend()
     anchors = ANCHORS[:3] if args.quick else ANCHORS
@@ -182,7 +157,8 @@ def main() -> None:
     rows = []
     baselines: dict[tuple[int, int, int], dict[str, float]] = {}
     for codebook, m, n, k in cells:
-        best, st, nbytes = time_ours(codebook, m, n, k, l2, stream)
+        best, st = time_ours(timer, codebook, m, n, k)
+        nbytes = n * (k // 32) * get(codebook).block_bytes  # every plane once: the GGUF bytes
         if codebook == "Q4_0":
             baselines[(m, n, k)] = time_baselines(m, n, k, l2, backend)
         base = baselines.get((m, n, k), {})

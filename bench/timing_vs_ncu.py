@@ -25,8 +25,8 @@ import cupy as cp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.kernels import weight_copies
-from dispatch.timing import CupyBackend, TimingConfig, time_candidates
+from dispatch.sweep import GpuTimer, weight_copies
+from dispatch.timing import TimingConfig
 from kernels import launch
 from kernels.registry import by_id
 
@@ -37,38 +37,26 @@ PROFILED_LAUNCHES = 15
 CONFIG = TimingConfig(mode="graph", cold_l2=True, race=False, min_rounds=15, max_rounds=15)
 
 
-def setup(case: tuple, stream: cp.cuda.Stream) -> tuple:
-    codebook, m, n, k, cid = case
-    rng = cp.random.default_rng(n + k)
-    cand = by_id(cid)
-    copies = weight_copies(codebook, n, k, rng, cp.cuda.runtime.getDeviceProperties(0)["l2CacheSize"])
-    first = copies[0]
-    with stream:
-        x = rng.standard_normal((m, k), dtype=cp.float32)
-    qact = launch.quantize_activations(x, stream)
-    out = cp.empty((m, n), cp.float32)
-    launch.check_launch(cand, first, qact, out, None)
-    return cand, copies, qact, out
-
-
 def harness() -> dict[str, float]:
-    stream = cp.cuda.Stream(non_blocking=True)
-    result = {}
-    for case in CASES:
-        cand, copies, qact, out = setup(case, stream)
-
-        def one(i: int, cand=cand, copies=copies, qact=qact, out=out) -> None:
-            launch.gemv(cand, copies[i], qact, out, stream, validate=False)
-
-        result[case[-1]] = time_candidates({"c": one}, len(copies), CONFIG, CupyBackend(stream))["c"].median_us
-    return result
+    """Per-launch median of each case, timed exactly as the sweep times a cell."""
+    timer = GpuTimer(CONFIG)
+    return {cid: timer.time_cell(cb, m, n, k, CONFIG.mode, [by_id(cid)]).stats[cid].median_us
+            for cb, m, n, k, cid in CASES}
 
 
 def profile() -> None:
     """Launched under ncu: PROFILED_LAUNCHES eager launches per case, rotating copies."""
     stream = cp.cuda.Stream(non_blocking=True)
-    for case in CASES:
-        cand, copies, qact, out = setup(case, stream)
+    l2 = cp.cuda.runtime.getDeviceProperties(0)["l2CacheSize"]
+    for codebook, m, n, k, cid in CASES:
+        cand = by_id(cid)
+        with stream:
+            rng = cp.random.default_rng(n + k)
+            copies = weight_copies(codebook, n, k, rng, l2)
+            x = rng.standard_normal((m, k), dtype=cp.float32)
+            out = cp.empty((m, n), cp.float32)
+        qact = launch.quantize_activations(x, stream)
+        launch.check_launch(cand, copies[0], qact, out, None)
         for i in range(PROFILED_LAUNCHES):
             launch.gemv(cand, copies[i % len(copies)], qact, out, stream, validate=False)
         stream.synchronize()

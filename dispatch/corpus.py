@@ -143,7 +143,7 @@ class Record:
     mode: str
     candidate: str
     family: str
-    identity: int  # effective K split S: candidates with equal S give identical bytes
+    identity: int  # kernels.emulate.identity: candidates with equal identities give identical bytes
     median_us: float
     p5_us: float
     p95_us: float

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from kernels.codebooks import CODEBOOKS
+from kernels.errors import InputError
 
 
 def nvcc_version() -> str | None:
@@ -25,14 +26,13 @@ def nvcc_version() -> str | None:
 
 def cuda_device() -> dict[str, Any] | str:
     """Properties of CUDA device 0, or a sentence saying why there is none."""
+    from kernels import launch
+
     try:
-        import cupy
-    except ImportError:
-        return "none (CuPy is not installed: pip install '.[cuda]')"
-    try:
-        props = cupy.cuda.runtime.getDeviceProperties(0)
-    except cupy.cuda.runtime.CUDARuntimeError as err:
+        cp = launch.require_device()
+    except InputError as err:
         return f"none ({err})"
+    props = cp.cuda.runtime.getDeviceProperties(0)
     return {
         "name": props["name"].decode(),
         "compute_capability": f"{props['major']}.{props['minor']}",

@@ -201,6 +201,16 @@ def _cuda_version(v: int) -> str:
     return f"{v // 1000}.{v % 1000 // 10}"
 
 
+def weight_copies(codebook: str, n: int, k: int, rng: Any, l2_bytes: int, cold: bool = True) -> list[Any]:
+    """Random device weights (kernels.launch.random_weights) in enough copies that one rotation reads more
+    than 3x L2; a single copy when `cold` is False. `rng` is a cupy.random.Generator."""
+    from kernels import launch
+
+    copies = [launch.random_weights(codebook, n, k, rng)]
+    count = copies_for_cold_l2(copies[0].nbytes, l2_bytes) if cold else 1
+    return copies + [launch.random_weights(codebook, n, k, rng) for _ in range(count - 1)]
+
+
 class GpuTimer:
     """Times cells with CuPy on this process's CUDA device 0 (a --devices child sees only its own GPU).
 
@@ -250,9 +260,7 @@ class GpuTimer:
             self._cp.get_default_memory_pool().free_all_blocks()  # the last geometry's copies, before new ones
             rng = self._cp.random.default_rng(cell_seed(codebook, n, k, self.config.seed))
             with self.stream:  # generated on the timing stream, so no launch can read them half-written
-                copies = [self._launch.random_weights(codebook, n, k, rng)]
-                count = copies_for_cold_l2(copies[0].nbytes, self._l2) if self.config.cold_l2 else 1
-                copies += [self._launch.random_weights(codebook, n, k, rng) for _ in range(count - 1)]
+                copies = weight_copies(codebook, n, k, rng, self._l2, self.config.cold_l2)
             self.stream.synchronize()
             self._geometry, self._copies = (codebook, n, k), copies
         return self._copies

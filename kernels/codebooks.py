@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kernels.errors import InputError
+from kernels.errors import InputError, check_matrix, describe
 
 CODEBOOKS: tuple[str, ...] = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL")
 
@@ -104,31 +104,12 @@ class BlockFields:
 # Validation: one clear InputError per problem (DESIGN §10).
 
 
-def _describe(value: object) -> str:
-    if isinstance(value, np.ndarray):
-        return f"{value.dtype} array of shape {value.shape}"
-    return type(value).__name__
-
-
 def _check_weights(book: Codebook, w: object) -> np.ndarray:
-    if not isinstance(w, np.ndarray) or w.ndim != 2:
-        raise InputError(f"{book.name} quantize: w must be a 2-D [N, K] array, got {_describe(w)}")
-    if w.dtype != np.float32:
-        raise InputError(f"{book.name} quantize: w must be float32 (no implicit casts), got {w.dtype}")
-    n, k = w.shape
-    if n <= 0 or k <= 0:
-        raise InputError(f"{book.name} quantize: N and K must be positive, got shape {w.shape}")
-    if k % QK:
-        raise InputError(f"{book.name} quantize: K={k} is not a multiple of {QK}")
-    if not np.isfinite(w).all():
-        bad = np.argwhere(~np.isfinite(w))[0]
-        raise InputError(
-            f"{book.name} quantize: w has non-finite values (first at row {bad[0]}, col {bad[1]})"
-        )
-    return np.ascontiguousarray(w)
+    return np.ascontiguousarray(check_matrix(w, f"{book.name} quantize: w", "N"))
 
 
-def _check_blocks(book: Codebook, blocks: object, k: object) -> tuple[np.ndarray, int]:
+def check_blocks(book: Codebook, blocks: object, k: object) -> tuple[np.ndarray, int]:
+    """Validate GGUF block bytes uint8 [N, K/32*block_bytes]; return them contiguous, with K as an int."""
     if isinstance(k, bool):
         raise InputError(f"{book.name}: k must be an int, got bool")
     try:
@@ -140,14 +121,14 @@ def _check_blocks(book: Codebook, blocks: object, k: object) -> tuple[np.ndarray
     if k % QK:
         raise InputError(f"{book.name}: K={k} is not a multiple of {QK}")
     if not isinstance(blocks, np.ndarray) or blocks.dtype != np.uint8 or blocks.ndim != 2:
-        raise InputError(f"{book.name}: blocks must be a 2-D uint8 array, got {_describe(blocks)}")
+        raise InputError(f"{book.name}: blocks must be a 2-D uint8 array, got {describe(blocks)}")
     if blocks.shape[0] <= 0:
         raise InputError(f"{book.name}: N must be positive, got blocks of shape {blocks.shape}")
     expected = k // QK * book.block_bytes
     if blocks.shape[1] != expected:
         raise InputError(
             f"{book.name}: bytes per row must be K/32*{book.block_bytes} = {expected} for K={k}, "
-            f"got {blocks.shape[1]}"
+            f"got {blocks.shape[1]} (blocks of shape {blocks.shape})"
         )
     return np.ascontiguousarray(blocks), k
 
@@ -159,7 +140,7 @@ def _check_blocks(book: Codebook, blocks: object, k: object) -> tuple[np.ndarray
 def block_fields(codebook: str, blocks: np.ndarray, k: int) -> BlockFields:
     """GGUF block bytes uint8 [N, KB*block_bytes] -> integer codes and float32 scale (and min)."""
     book = get(codebook)
-    blocks, k = _check_blocks(book, blocks, k)
+    blocks, k = check_blocks(book, blocks, k)
     n, kb = blocks.shape[0], k // QK
     b3 = blocks.reshape(n, kb, book.block_bytes)
 

@@ -9,14 +9,14 @@ at most 32·127·127 < 2^24, so any summation order is exact.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from kernels.codebooks import BlockFields, block_fields
-from kernels.errors import InputError
+from kernels.errors import BLOCK, InputError, check_matrix
 from kernels.layout import PackedWeights, unpack
 
-BLOCK = 32
 QMAX = 127
 # Every NaN a GPU float operation produces is the canonical 0x7FFFFFFF (PTX); numpy's x86 NaNs carry
 # other bits, so the emulator writes NaN results (inf − inf after an overflow) as the GPU does.
@@ -27,9 +27,11 @@ BLOCKS_PER_STEP = 16
 
 @dataclass(frozen=True)
 class QuantizedActivations:
-    q: np.ndarray  # int8 [M, KB, 32]
-    d: np.ndarray  # float32 [M, KB]: d_a = amax / 127
-    sum: np.ndarray  # int32 [M, KB]: Σ_j q_j
+    """Quantized activations (DESIGN §1): numpy arrays here, CuPy arrays when kernels.launch makes them."""
+
+    q: Any  # int8 [M, KB, 32]
+    d: Any  # float32 [M, KB]: d_a = amax / 127
+    sum: Any  # int32 [M, KB]: Σ_j q_j
 
     @property
     def m(self) -> int:
@@ -40,26 +42,19 @@ class QuantizedActivations:
         return self.q.shape[1]
 
 
-def check_activations(x: np.ndarray, k: int | None = None) -> None:
-    """Validate an activation block float32 [M, K]; raise InputError naming the problem."""
-    if not isinstance(x, np.ndarray) or x.ndim != 2 or x.dtype != np.float32:
-        got = f"{x.dtype} array of rank {x.ndim}" if isinstance(x, np.ndarray) else type(x).__name__
-        raise InputError(f"activations must be a 2-D float32 array [M, K], got {got}")
-    m, kx = x.shape
-    if m <= 0 or kx <= 0:
-        raise InputError(f"activations must have M > 0 and K > 0, got shape {x.shape}")
-    if kx % BLOCK:
-        raise InputError(f"activation K={kx} is not a multiple of {BLOCK}")
-    if k is not None and kx != k:
-        raise InputError(f"activation K={kx} does not match the weights' K={k}")
-    if not np.isfinite(x).all():
-        rows = np.unique(np.nonzero(~np.isfinite(x))[0])
-        raise InputError(f"activations contain non-finite values (rows {rows[:8].tolist()}); they must be finite")
+def check_activations(x: np.ndarray, k: int | None = None) -> np.ndarray:
+    """Validate an activation block float32 [M, K] (and its K against the weights'); raise InputError."""
+    x = check_matrix(x, "activations", "M")
+    if k is not None and x.shape[1] != k:
+        raise InputError(f"activation K={x.shape[1]} does not match the weights' K={k}")
+    return x
 
 
-def quantize_activations(x: np.ndarray) -> QuantizedActivations:
-    """Per row and 32-value block: d_a = amax/127, q = clamp(rint(a/d_a), ±127) (q = 0 where d_a == 0)."""
-    check_activations(x)
+def quantize_activations(x: np.ndarray, k: int | None = None) -> QuantizedActivations:
+    """Per row and 32-value block: d_a = amax/127, q = clamp(rint(a/d_a), ±127) (q = 0 where d_a == 0).
+
+    `k`, when given, is the weights' K that x must match."""
+    check_activations(x, k)
     m, k = x.shape
     blocks = x.reshape(m, k // BLOCK, BLOCK)
     d = np.abs(blocks).max(axis=2) / np.float32(QMAX)
@@ -113,10 +108,13 @@ def gemv_quantized(packed: PackedWeights, qa: QuantizedActivations, ksplit: int)
     """y float32 [M, N] from already-quantized activations, per DESIGN §1 with K split `ksplit`."""
     if qa.kb != packed.kb:
         raise InputError(f"activations have {qa.kb} blocks, weights have {packed.kb}")
-    kb = packed.kb
+    return _gemv(_fields(packed), qa, ksplit)
+
+
+def _gemv(fields: BlockFields, qa: QuantizedActivations, ksplit: int) -> np.ndarray:
+    kb = fields.scale.shape[1]
     width = partition_width(kb, ksplit)
-    y = np.zeros((qa.m, packed.n), dtype=np.float32)
-    fields = _fields(packed)
+    y = np.zeros((qa.m, fields.scale.shape[0]), dtype=np.float32)
     with np.errstate(over="ignore", invalid="ignore"):  # overflow to ±inf is part of the contract
         _accumulate(fields, qa, kb, width, y)
     y[np.isnan(y)] = CANONICAL_NAN
@@ -137,29 +135,27 @@ def _accumulate(fields: BlockFields, qa: QuantizedActivations, kb: int, width: i
 
 def gemv(packed: PackedWeights, x: np.ndarray, ksplit: int = 1) -> np.ndarray:
     """The contract's result for float32 activations x [M, K]: quantize x, then the split GEMV."""
-    check_activations(x, packed.k)
-    return gemv_quantized(packed, quantize_activations(x), ksplit)
+    return gemv_quantized(packed, quantize_activations(x, packed.k), ksplit)
 
 
 def reference(packed: PackedWeights, x: np.ndarray) -> np.ndarray:
     """float64 y = dequantized(W) · x, the value the quantized result approximates."""
     check_activations(x, packed.k)
-    w = _dequantized(packed)
-    return x.astype(np.float64) @ w.T
+    return x.astype(np.float64) @ _dequantized(_fields(packed)).T
 
 
-def _dequantized(packed: PackedWeights) -> np.ndarray:
-    f = _fields(packed)
+def _dequantized(f: BlockFields) -> np.ndarray:
+    """float64 [N, K] of the fp32 weights scale·code (+ min), as gguf dequantizes them."""
     w = f.scale[:, :, None] * f.codes.astype(np.float32)
     if f.min is not None:
         w = w + f.min[:, :, None]
-    return w.reshape(packed.n, packed.k).astype(np.float64)
+    return w.reshape(f.codes.shape[0], -1).astype(np.float64)
 
 
 def error_bound(packed: PackedWeights, x: np.ndarray, ksplit: int = 1) -> np.ndarray:
     """A rigorous bound float64 [M, N] on |gemv(packed, x, ksplit) − reference(packed, x)|.
 
-    Two sources: (1) activation rounding, |a − d_a·q| ≤ d_a·(1/2 + 2^-17) per element (the fp32 quotient
+    Three sources: (1) activation rounding, |a − d_a·q| ≤ d_a·(1/2 + 2^-17) per element (the fp32 quotient
     a/d_a is off by at most 2^-24·128), except where d_a is subnormal and the clamp or a zero d_a may
     lose up to amax; (2) fp32 rounding: every term takes ≤ 5 roundings and every output ≤ KB + S more, so
     |error| ≤ γ_n · Σ_b |exact t_b| with n = KB + S + 5 and γ_n = n·u/(1 − n·u), u = 2^-24; plus u·|W|·|d_a q|
@@ -168,18 +164,18 @@ def error_bound(packed: PackedWeights, x: np.ndarray, ksplit: int = 1) -> np.nda
     same term, so each term adds η·(2|s| + 2|sum_a| + 8) and each accumulation η. Where the result is not
     finite (an intermediate overflowed) the bound is inf.
     """
-    check_activations(x, packed.k)
-    qa = quantize_activations(x)
+    qa = quantize_activations(x, packed.k)
+    f = _fields(packed)
+    w = _dequantized(f)
     m, kb = qa.m, packed.kb
     blocks = np.abs(x.astype(np.float64)).reshape(m, kb, BLOCK)
     amax = blocks.max(axis=2)
     d = qa.d.astype(np.float64)
     normal = d >= np.finfo(np.float32).tiny
     eps_act = np.where(normal, d * (0.5 + 2.0**-17), np.maximum(amax, d * (0.5 + 2.0**-17)))  # [M, KB]
-    w_abs = np.abs(_dequantized(packed)).reshape(packed.n, kb, BLOCK).sum(axis=2)  # [N, KB]
+    w_abs = np.abs(w).reshape(packed.n, kb, BLOCK).sum(axis=2)  # [N, KB]
     act = eps_act @ w_abs.T
 
-    f = _fields(packed)
     s = np.einsum("mbj,nbj->mnb", qa.q.astype(np.float64), f.codes.astype(np.float64))
     exact_t = np.abs(d[:, None, :] * f.scale.astype(np.float64)[None] * s)
     if f.min is not None:
@@ -188,10 +184,10 @@ def error_bound(packed: PackedWeights, x: np.ndarray, ksplit: int = 1) -> np.nda
     u = 2.0**-24
     gamma = n_ops * u / (1 - n_ops * u)
     dq = (d[:, :, None] * np.abs(qa.q)).reshape(m, packed.k)
-    weight_rounding = u * (dq @ np.abs(_dequantized(packed)).T) if f.min is not None else 0.0
+    weight_rounding = u * (dq @ np.abs(w).T) if f.min is not None else 0.0
     eta = 2.0**-150
     underflow = eta * (2 * np.abs(s) + 2 * np.abs(qa.sum.astype(np.float64))[:, None, :] + 8).sum(axis=2)
     underflow += eta * n_ops
     bound = act + gamma * exact_t.sum(axis=2) + weight_rounding + underflow
-    finite = np.isfinite(gemv_quantized(packed, qa, ksplit))
+    finite = np.isfinite(_gemv(f, qa, ksplit))
     return np.where(finite, bound, np.inf)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kernels.codebooks import Codebook, get
+from kernels.codebooks import check_blocks, get
 from kernels.errors import InputError
 
 
@@ -40,25 +40,6 @@ class PackedWeights:
         return {name: plane for name, plane in named.items() if plane is not None}
 
 
-def check_blocks(book: Codebook, blocks: np.ndarray, n: int, k: int) -> None:
-    """Validate GGUF block bytes for an N x K matrix; raise InputError naming the problem."""
-    if n <= 0 or k <= 0:
-        raise InputError(f"N and K must be positive, got N={n}, K={k}")
-    if k % 32:
-        raise InputError(f"K={k} is not a multiple of 32")
-    if not isinstance(blocks, np.ndarray) or blocks.dtype != np.uint8 or blocks.ndim != 2:
-        raise InputError(f"{book.name} blocks must be a 2-D uint8 array, got {_describe(blocks)}")
-    expected = (n, k // 32 * book.block_bytes)
-    if blocks.shape != expected:
-        raise InputError(f"{book.name} blocks for N={n}, K={k} must have shape {expected}, got {blocks.shape}")
-
-
-def _describe(value: object) -> str:
-    if isinstance(value, np.ndarray):
-        return f"{value.dtype} array of shape {value.shape}"
-    return type(value).__name__
-
-
 def _field(blocks3: np.ndarray, offset: int, size: int) -> np.ndarray:
     """Bytes [offset, offset+size) of every block, moved to block-major order [KB, N, size].
 
@@ -69,7 +50,11 @@ def _field(blocks3: np.ndarray, offset: int, size: int) -> np.ndarray:
 def pack(codebook: str, blocks: np.ndarray, n: int, k: int) -> PackedWeights:
     """GGUF block bytes uint8 [N, KB*block_bytes] -> execution planes."""
     book = get(codebook)
-    check_blocks(book, blocks, n, k)
+    if n <= 0:
+        raise InputError(f"N must be positive, got N={n}")
+    blocks, k = check_blocks(book, blocks, k)
+    if blocks.shape[0] != n:
+        raise InputError(f"{book.name} blocks for N={n}, K={k} must have {n} rows, got shape {blocks.shape}")
     blocks3 = blocks.reshape(n, k // 32, book.block_bytes)
     kb = k // 32
     return PackedWeights(

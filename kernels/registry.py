@@ -134,11 +134,6 @@ def candidates_for(m: int, n: int, k: int) -> list[Candidate]:
     return [c for c in CANDIDATES if c.valid(m, n, k)]
 
 
-def identities(m: int, n: int, k: int) -> list[int]:
-    """The distinct identities available for a shape at M rows."""
-    return sorted({c.identity(k) for c in candidates_for(m, n, k)})
-
-
 def instantiations() -> list[tuple[str, str]]:
     """Every (codebook, kernel name) any candidate may launch: the set the compile check covers."""
     names = set()

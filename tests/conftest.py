@@ -6,15 +6,14 @@ import pytest
 
 
 def cuda_unavailable_reason() -> str | None:
+    from kernels import launch
+    from kernels.errors import InputError
+
     try:
-        import cupy
-    except ImportError:
-        return "CuPy is not installed (pip install '.[cuda]')"
-    try:
-        count = cupy.cuda.runtime.getDeviceCount()
-    except cupy.cuda.runtime.CUDARuntimeError as err:
-        return f"no CUDA device: {err}"
-    return None if count else "no CUDA device is visible"
+        launch.require_device()
+    except InputError as err:
+        return str(err)
+    return None
 
 
 def pytest_collection_modifyitems(config, items):
