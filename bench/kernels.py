@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dispatch.sweep import GpuTimer
 from dispatch.timing import CupyBackend, Launch, Rotation, Stats, TimingConfig, copies_for_cold_l2, time_candidates
 from kernels.codebooks import CODEBOOKS, get
-from kernels.registry import candidates_for
+from kernels.registry import by_id, candidates_for
 
 ANCHORS = [(4096, 4096), (14336, 4096), (4096, 14336), (5120, 5120), (27648, 5120), (5120, 27648),
            (151936, 4096), (1024, 4096), (512, 2048)]
@@ -55,11 +55,18 @@ def device_props() -> dict[str, Any]:
     return {"name": p["name"].decode(), "sm_count": p["multiProcessorCount"], "l2_bytes": p["l2CacheSize"]}
 
 
-def time_ours(timer: GpuTimer, codebook: str, m: int, n: int, k: int) -> tuple[str, Stats]:
-    """Every candidate of the cell, timed exactly as the sweep times it; the fastest one."""
-    stats = timer.time_cell(codebook, m, n, k, CONFIG.mode, candidates_for(m, n, k)).stats
-    best = min(stats, key=lambda c: stats[c].median_us)
-    return best, stats[best]
+def time_ours(timer: GpuTimer, codebook: str, m: int, n: int, k: int) -> dict[str, Stats]:
+    """Every candidate of the cell, timed exactly as the sweep times it (racing drops the clearly beaten)."""
+    return timer.time_cell(codebook, m, n, k, CONFIG.mode, candidates_for(m, n, k)).stats
+
+
+def engine_bests(stats: dict[str, Stats]) -> dict[str, float]:
+    """The fastest median per engine (dp4a, mma): what the tensor-core path adds at this cell."""
+    best: dict[str, float] = {}
+    for cid, st in stats.items():
+        engine = by_id(cid).engine
+        best[engine] = min(best.get(engine, math.inf), st.median_us)
+    return best
 
 
 class TorchBackend:
@@ -157,7 +164,9 @@ def main() -> None:
     rows = []
     baselines: dict[tuple[int, int, int], dict[str, float]] = {}
     for codebook, m, n, k in cells:
-        best, st = time_ours(timer, codebook, m, n, k)
+        stats = time_ours(timer, codebook, m, n, k)
+        best = min(stats, key=lambda c: stats[c].median_us)
+        st, engines = stats[best], engine_bests(stats)
         nbytes = n * (k // 32) * get(codebook).block_bytes  # every plane once: the GGUF bytes
         if codebook == "Q4_0":
             baselines[(m, n, k)] = time_baselines(m, n, k, l2, backend)
@@ -166,18 +175,21 @@ def main() -> None:
         row = {"codebook": codebook, "m": m, "n": n, "k": k, "best": best, "us": st.median_us, "p5_us": st.p5_us,
                "p95_us": st.p95_us, "weight_bytes": nbytes, "gbs": gbs, "of_ceiling": gbs / ceiling,
                **{f"{b}_us": v for b, v in base.items()},
-               **{f"x_{b}": v / st.median_us for b, v in base.items()}}
+               **{f"x_{b}": v / st.median_us for b, v in base.items()},
+               **{f"best_{e}_us": v for e, v in engines.items()},
+               "candidates_us": {c: stats[c].median_us for c in sorted(stats)}}
         rows.append(row)
-        print(json.dumps(row), flush=True)
+        print(json.dumps({key: v for key, v in row.items() if key != "candidates_us"}), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"device": props, "read_ceiling_gbs": ceiling, "config": CONFIG.__dict__,
                                     "seconds": time.time() - t0, "rows": rows}, indent=1) + "\n")
-    print(f"\n{'codebook':8} {'M':>3} {'N':>7} {'K':>6} {'best':22} {'us':>8} {'GB/s':>6} {'ceil%':>6} "
-          f"{'x tiny':>7} {'x fp16':>7}")
+    print(f"\n{'codebook':8} {'M':>3} {'N':>7} {'K':>6} {'best':24} {'us':>8} {'GB/s':>6} {'ceil%':>6} "
+          f"{'x tiny':>7} {'x fp16':>7} {'dp4a us':>8} {'mma us':>8}")
     for r in rows:
         tiny, fp16 = r.get("x_tinygemm_int4", math.nan), r.get("x_cublas_fp16", math.nan)
-        print(f"{r['codebook']:8} {r['m']:>3} {r['n']:>7} {r['k']:>6} {r['best']:22} {r['us']:8.2f} "
-              f"{r['gbs']:6.0f} {100 * r['of_ceiling']:6.1f} {tiny:7.2f} {fp16:7.2f}")
+        print(f"{r['codebook']:8} {r['m']:>3} {r['n']:>7} {r['k']:>6} {r['best']:24} {r['us']:8.2f} "
+              f"{r['gbs']:6.0f} {100 * r['of_ceiling']:6.1f} {tiny:7.2f} {fp16:7.2f} "
+              f"{r.get('best_dp4a_us', math.nan):8.2f} {r.get('best_mma_us', math.nan):8.2f}")
 
 
 if __name__ == "__main__":

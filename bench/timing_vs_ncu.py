@@ -64,7 +64,7 @@ def profile() -> None:
 
 def ncu_durations() -> dict[str, float]:
     ncu = shutil.which("ncu") or "/usr/local/cuda/bin/ncu"
-    cmd = [ncu, "--clock-control", "none", "--metrics", "gpu__time_duration.sum", "--csv", "-k", "regex:gemv_partial",
+    cmd = [ncu, "--clock-control", "none", "--metrics", "gpu__time_duration.sum", "--csv", "-k", "regex:gemv_",
            sys.executable, __file__, "profile"]
     done = subprocess.run(cmd, capture_output=True, text=True, check=True)
     rows = [r for r in csv.DictReader(io.StringIO(done.stdout[done.stdout.index('"ID"'):]))

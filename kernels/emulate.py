@@ -27,7 +27,8 @@ BLOCKS_PER_STEP = 16
 
 @dataclass(frozen=True)
 class QuantizedActivations:
-    """Quantized activations (DESIGN §1): numpy arrays here, CuPy arrays when kernels.launch makes them."""
+    """Quantized activations (DESIGN §1): numpy arrays here, CuPy arrays when kernels.launch makes them
+    (indexed the same, stored block-major there)."""
 
     q: Any  # int8 [M, KB, 32]
     d: Any  # float32 [M, KB]: d_a = amax / 127

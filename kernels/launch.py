@@ -94,11 +94,25 @@ def random_weights(codebook: str, n: int, k: int, rng: Any) -> DeviceWeights:
 
 
 def empty_activations(m: int, k: int) -> QuantizedActivations:
+    """Device activations, indexed [M, KB(, 32)] like the emulator's but stored block-major ([KB][M]): the M
+    rows of a block are adjacent, so the fragment loads of the mma engine coalesce."""
     cp = require_cupy()
     kb = k // 32
     return QuantizedActivations(
-        q=cp.empty((m, kb, 32), cp.int8), d=cp.empty((m, kb), cp.float32), sum=cp.empty((m, kb), cp.int32)
+        q=cp.empty((kb, m, 32), cp.int8).transpose(1, 0, 2),
+        d=cp.empty((kb, m), cp.float32).T,
+        sum=cp.empty((kb, m), cp.int32).T,
     )
+
+
+def storage(qact: QuantizedActivations) -> tuple[np.uint64, np.uint64, np.uint64]:
+    """Base pointers of the block-major buffers behind the [M, KB] views, as the kernels take them."""
+    return tuple(np.uint64(a.data.ptr) for a in (qact.q, qact.d, qact.sum))
+
+
+def is_block_major(qact: QuantizedActivations) -> bool:
+    return all(a.T.flags.c_contiguous if a.ndim == 2 else a.transpose(1, 0, 2).flags.c_contiguous
+               for a in (qact.q, qact.d, qact.sum))
 
 
 def check_stream(stream: Any) -> None:
@@ -138,11 +152,14 @@ def quantize_activations(x: Any, stream: Any, out: QuantizedActivations | None =
         if not bool(cp.isfinite(x).all()):
             raise InputError("activations contain non-finite values; they must be finite")
     out = out or empty_activations(m, k)
+    if (out.m, out.kb) != (m, k // 32) or not is_block_major(out):
+        raise InputError(f"`out` must be launch.empty_activations({m}, {k})")
     blocks = m * (k // 32)
     threads = 256
     with stream:
         _helper("quantize_activations")(
-            ((blocks * 32 + threads - 1) // threads,), (threads,), (x, np.int32(blocks), out.q, out.d, out.sum)
+            ((blocks * 32 + threads - 1) // threads,), (threads,),
+            (x, np.int32(m), np.int32(k // 32), *storage(out)),
         )
     return out
 
@@ -153,6 +170,8 @@ def check_launch(candidate: Candidate, weights: DeviceWeights, qact: QuantizedAc
     m, n, k = qact.m, weights.n, weights.k
     if qact.kb * 32 != k:
         raise InputError(f"activations have K={qact.kb * 32}, weights have K={k}")
+    if not is_block_major(qact):
+        raise InputError("activations must come from launch.quantize_activations (block-major device arrays)")
     reason = candidate.invalid_reason(m, n, k)
     if reason:
         raise InputError(f"candidate {candidate.id} cannot run M={m}, N={n}, K={k}: {reason}")
@@ -180,7 +199,7 @@ def gemv(candidate: Candidate, weights: DeviceWeights, qact: QuantizedActivation
     none = np.uint64(0)  # a null pointer for planes this codebook lacks
     args = (
         weights.payload, weights.high if weights.high is not None else none, weights.scale,
-        weights.min if weights.min is not None else none, qact.q, qact.d, qact.sum,
+        weights.min if weights.min is not None else none, *storage(qact),
         np.int32(m), np.int32(n), np.int32(k // 32), np.int32(candidate.partition_width(k)), target,
     )
     with stream:  # CuPy launches raw kernels on the current stream

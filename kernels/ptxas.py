@@ -17,12 +17,12 @@ from kernels import program
 _ENTRY = re.compile(r"Compiling entry function '(\w+)' for '(\w+)'")
 _FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _REGS = re.compile(r"Used (\d+) registers")
-_TEMPLATE = re.compile(r"gemv_partialILi(\d+)ELi(\d+)ELi(\d+)ELb([01])EE")
+_TEMPLATE = re.compile(r"(gemv_[a-z]+)I((?:Li\d+E)+)Lb([01])EE")  # name<int..., bool> in Itanium mangling
 
 
 @dataclass(frozen=True)
 class KernelResources:
-    name: str  # the source-level name, e.g. "gemv_partial<0, 1, 1, false>" or "fold_partials"
+    name: str  # the source-level name, e.g. "gemv_partial<0, 1, 1, false>", "gemv_mma<0, 2, 1, true>"
     registers: int
     stack_bytes: int
     spill_store_bytes: int
@@ -33,8 +33,9 @@ def source_name(mangled: str) -> str:
     match = _TEMPLATE.search(mangled)
     if not match:
         return mangled
-    cb, cpt, mt, split = match.groups()
-    return f"gemv_partial<{cb}, {cpt}, {mt}, {'true' if split == '1' else 'false'}>"
+    name, ints, split = match.groups()
+    args = [*re.findall(r"Li(\d+)E", ints), "true" if split == "1" else "false"]
+    return f"{name}<{', '.join(args)}>"
 
 
 def parse_report(text: str) -> list[KernelResources]:

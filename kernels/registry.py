@@ -6,9 +6,13 @@ the same bytes as no split: kernels.emulate.identity). Spellings with the same S
 `candidates_for` keeps a candidate only where its ksplit is effective (ksplit == S), so each
 (family, S, launch) appears once.
 
-Row tile: a launch processes M in tiles of MT = min(next power of two >= M, the candidate's tile cap),
+Engines: dp4a (gemv_partial) for every family, and int8 tensor cores (gemv_mma) for wide and kpar. Both
+give the same bytes for the same S; the engine is a launch choice like threads or tiles.
+
+Row tile: a dp4a launch processes M in tiles of MT = min(next power of two >= M, the candidate's tile cap),
 decoding each weight block once per tile. The cap keeps MT·CPT <= 16 accumulators per thread, which keeps
-every instantiation spill-free under the 128-register cap.
+every instantiation spill-free under the 128-register cap. An mma launch takes M in tiles of 16 rows per
+mma (MMA_ROWS), two of them per pass when M > 16.
 """
 
 from __future__ import annotations
@@ -25,6 +29,9 @@ Family = Literal["wide", "direct", "kpar"]
 CODEBOOK_IDS = {name: i for i, name in enumerate(CODEBOOKS)}  # the `Codebook` enum of gemv.cu
 ROW_TILES = (1, 2, 4, 8, 16)
 MAX_ACCUMULATORS = 16  # MT·CPT per thread
+MMA_ROWS = 16  # activation rows per mma.m16n8k32 (the A operand)
+MMA_OUTPUTS = 8  # outputs per mma (the B operand)
+MMA_ROW_TILES = (1, 2)  # M tiles of MMA_ROWS handled per pass over the weights
 SHARED_MEMORY_LIMIT = 48 * 1024  # default dynamic shared memory per CTA, no opt-in needed
 FOLD_THREADS = 256
 
@@ -35,16 +42,35 @@ def row_tile(m: int, cpt: int) -> int:
     return min(cap, 1 << max(0, (m - 1).bit_length()))
 
 
+def mma_row_tiles(m: int) -> int:
+    """M tiles of 16 rows per pass of an mma launch: two when M > 16, so M = 31 reads the weights once."""
+    return MMA_ROW_TILES[-1] if m > MMA_ROWS else MMA_ROW_TILES[0]
+
+
 @dataclass(frozen=True)
 class Candidate:
     family: Family
     ksplit: int  # requested K split; the identity for a shape is effective_split(KB, ksplit)
     threads: int  # threads along N per CTA (blockDim.x)
-    cpt: int  # consecutive outputs per thread
+    cpt: int = 1  # dp4a: consecutive outputs per thread
+    mma_tiles: int = 0  # tensor-core engine: 8-output mma tiles per warp; 0 selects the dp4a engine
+
+    def __post_init__(self) -> None:
+        if self.mma_tiles and (self.family == "direct" or self.cpt != 1 or self.threads % 32):
+            raise ValueError(f"an mma candidate is wide or kpar with cpt 1 and whole warps, not {self}")
 
     @cached_property
     def id(self) -> str:
-        return f"{self.family}.s{self.ksplit}.t{self.threads}.c{self.cpt}"
+        tail = f"mma{self.mma_tiles}" if self.mma_tiles else f"c{self.cpt}"
+        return f"{self.family}.s{self.ksplit}.t{self.threads}.{tail}"
+
+    @property
+    def engine(self) -> str:
+        return "mma" if self.mma_tiles else "dp4a"
+
+    @property
+    def outputs_per_cta(self) -> int:
+        return self.threads // 32 * MMA_OUTPUTS * self.mma_tiles if self.mma_tiles else self.threads * self.cpt
 
     def split(self, k: int) -> int:
         """The effective split S this candidate runs for K (partitions launched)."""
@@ -78,6 +104,8 @@ class Candidate:
             return f"shape M={m}, N={n}, K={k} is not a GEMV shape (M, N >= 1; K a positive multiple of 32)"
         if n % self.cpt:
             return f"N={n} is not a multiple of {self.cpt} outputs per thread"
+        if self.mma_tiles and n % MMA_OUTPUTS:
+            return f"N={n} is not a multiple of the {MMA_OUTPUTS} outputs of an mma tile"
         if self.split(k) != self.ksplit:
             return f"ksplit {self.ksplit} is not effective for KB={k // 32} (it acts as S={self.split(k)})"
         if self.family != "kpar" and self.threads * self.ksplit > 1024:
@@ -93,11 +121,13 @@ class Candidate:
         """The template instantiation (NVRTC name expression) this candidate launches for M rows."""
         cb = CODEBOOK_IDS[get(codebook).name]
         split = "true" if self.grid_split else "false"
+        if self.mma_tiles:
+            return f"gemv_mma<{cb}, {self.mma_tiles}, {mma_row_tiles(m)}, {split}>"
         return f"gemv_partial<{cb}, {self.cpt}, {row_tile(m, self.cpt)}, {split}>"
 
     def launch_geometry(self, m: int, n: int, k: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
         """(grid, block) of the main launch."""
-        columns = -(-n // (self.threads * self.cpt))
+        columns = -(-n // self.outputs_per_cta)
         if self.family == "kpar":
             return (columns, self.ksplit, 1), (self.threads, 1, 1)
         return (columns, 1, 1), (self.threads, self.ksplit, 1)
@@ -115,7 +145,13 @@ def _build() -> tuple[Candidate, ...]:
     ]
     # kpar: S partitions across CTAs, a fold launch; made for small N with long K.
     kpar = [Candidate("kpar", s, t, c) for s in (2, 4, 8, 16, 32, 64) for t, c in ((128, 1), (64, 2))]
-    return tuple(wide + direct + kpar)
+    # Tensor-core twins of wide and kpar: made for M > 1, where dp4a is instruction-bound.
+    # Two tiles per warp won nearly every M >= 4 cell of a wider H200 trial (1, 2, 4 tiles); four only for
+    # lm_head-sized N without a split.
+    mma = [Candidate("wide", 1, 128, mma_tiles=t) for t in (2, 4)] + [
+        Candidate("kpar", s, 128, mma_tiles=2) for s in (2, 4, 8, 16, 32, 64)
+    ]
+    return tuple(wide + direct + kpar + mma)
 
 
 CANDIDATES: tuple[Candidate, ...] = _build()
@@ -136,10 +172,5 @@ def candidates_for(m: int, n: int, k: int) -> list[Candidate]:
 
 def instantiations() -> list[tuple[str, str]]:
     """Every (codebook, kernel name) any candidate may launch: the set the compile check covers."""
-    names = set()
-    for codebook in CODEBOOKS:
-        for cand in CANDIDATES:
-            for mt in ROW_TILES:
-                if mt * cand.cpt <= MAX_ACCUMULATORS:
-                    names.add((codebook, cand.kernel_name(codebook, mt)))
-    return sorted(names)
+    every_tiling = range(1, 2 * MMA_ROWS + 1)  # M values that reach every row tile of both engines
+    return sorted({(cb, cand.kernel_name(cb, m)) for cb in CODEBOOKS for cand in CANDIDATES for m in every_tiling})

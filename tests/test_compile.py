@@ -6,7 +6,7 @@ import shutil
 import pytest
 
 from kernels import program
-from kernels.ptxas import compile_report, parse_report
+from kernels.ptxas import compile_report, parse_report, source_name
 from kernels.registry import instantiations
 
 needs_nvcc = pytest.mark.skipif(
@@ -43,3 +43,9 @@ def test_report_parser_flags_spills():
     (r,) = parse_report(text)
     assert (r.name, r.registers, r.stack_bytes, r.spill_store_bytes, r.spill_load_bytes) == (
         "gemv_partial<0, 1, 1, false>", 255, 16, 8, 12)
+
+
+def test_report_parser_names_both_engines():
+    assert source_name("_Z8gemv_mmaILi5ELi2ELi2ELb1EEvPKjS1_PKtS3_PKiPKfS5_iiiiPf") == "gemv_mma<5, 2, 2, true>"
+    assert source_name("_Z12gemv_partialILi3ELi2ELi8ELb0EEvPKj") == "gemv_partial<3, 2, 8, false>"
+    assert source_name("fold_partials") == "fold_partials"

@@ -157,3 +157,15 @@ def test_bad_launches_are_refused(cp, stream):
         launch.gemv(kpar, weights, qact, out, stream)
     with pytest.raises(InputError, match="shape"):
         launch.gemv(CANDIDATES[0], weights, qact, cp.empty((3, 64), cp.float32), stream)
+    # Row-major activations (the emulator's, copied over) would be read block-major: refused, not misread.
+    host = emulate.quantize_activations(cp.asnumpy(x))
+    row_major = emulate.QuantizedActivations(cp.asarray(host.q), cp.asarray(host.d), cp.asarray(host.sum))
+    with pytest.raises(InputError, match="block-major"):
+        launch.gemv(CANDIDATES[0], weights, row_major, out, stream)
+    with pytest.raises(InputError, match="empty_activations"):
+        launch.quantize_activations(x, stream, out=row_major)
+    # The mma engine needs whole 8-output tiles.
+    narrow = launch.to_device(make_weights("Q8_0", 60, 256, rng))
+    mma = next(c for c in CANDIDATES if c.engine == "mma" and c.family == "wide")
+    with pytest.raises(InputError, match="mma tile"):
+        launch.gemv(mma, narrow, qact, cp.empty((2, 60), cp.float32), stream)

@@ -1,0 +1,103 @@
+"""Candidate registry (DESIGN §3): ids, normalization, validity, launch geometry, compiled instantiations."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kernels.codebooks import CODEBOOKS
+from kernels.emulate import effective_split, identity
+from kernels.errors import InputError
+from kernels.registry import (
+    BY_ID,
+    CANDIDATES,
+    MMA_OUTPUTS,
+    SHARED_MEMORY_LIMIT,
+    Candidate,
+    by_id,
+    candidates_for,
+    instantiations,
+)
+
+shapes = st.tuples(st.integers(1, 40), st.integers(1, 262144), st.integers(1, 2048).map(lambda kb: 32 * kb))
+
+
+def test_ids_are_unique_and_name_their_candidate():
+    assert len(BY_ID) == len(CANDIDATES)
+    for cand in CANDIDATES:
+        assert by_id(cand.id) is cand
+        family, split, threads, tail = cand.id.split(".")
+        assert (family, split, threads) == (cand.family, f"s{cand.ksplit}", f"t{cand.threads}")
+        assert tail == (f"mma{cand.mma_tiles}" if cand.engine == "mma" else f"c{cand.cpt}")
+
+
+def test_unknown_id_is_one_clear_error():
+    with pytest.raises(InputError, match=r"unknown candidate 'wide\.s3\.t7\.c1'"):
+        by_id("wide.s3.t7.c1")
+
+
+def test_both_engines_are_offered():
+    engines = {(c.family, c.engine) for c in CANDIDATES}
+    assert engines == {("wide", "dp4a"), ("direct", "dp4a"), ("kpar", "dp4a"), ("wide", "mma"), ("kpar", "mma")}
+
+
+@pytest.mark.parametrize("bad", [
+    dict(family="direct", ksplit=2, threads=64, mma_tiles=2),  # in-CTA partitions have no mma kernel
+    dict(family="wide", ksplit=1, threads=128, cpt=2, mma_tiles=2),
+    dict(family="kpar", ksplit=4, threads=100, mma_tiles=2),  # not whole warps
+])
+def test_mma_candidates_outside_the_kernel_are_rejected(bad):
+    with pytest.raises(ValueError, match="mma candidate"):
+        Candidate(**bad)
+
+
+@settings(max_examples=300, deadline=None)
+@given(shapes)
+def test_every_gemv_shape_has_candidates_each_identity_spelled_once(shape):
+    m, n, k = shape
+    cands = candidates_for(m, n, k)
+    assert cands, f"no candidate for M={m}, N={n}, K={k}"
+    kb = k // 32
+    for c in cands:
+        assert c.split(k) == c.ksplit == effective_split(kb, c.ksplit)  # normalized: ksplit is effective
+        assert c.identity(k) == identity(kb, c.ksplit)
+        assert c.shared_bytes(m) <= SHARED_MEMORY_LIMIT
+    launches = [(c.family, c.ksplit, c.threads, c.cpt, c.mma_tiles) for c in cands]
+    assert len(launches) == len(set(launches))
+
+
+@settings(max_examples=300, deadline=None)
+@given(shapes)
+def test_invalid_candidates_say_why_and_valid_ones_cover_n(shape):
+    m, n, k = shape
+    for c in CANDIDATES:
+        reason = c.invalid_reason(m, n, k)
+        if reason is not None:
+            assert isinstance(reason, str) and reason
+            continue
+        (gx, gy, gz), (bx, by, bz) = c.launch_geometry(m, n, k)
+        assert gx * c.outputs_per_cta >= n > (gx - 1) * c.outputs_per_cta  # every output, no idle CTA column
+        assert gy * by == c.ksplit and gz == bz == 1 and bx == c.threads
+        if c.engine == "mma":
+            assert n % MMA_OUTPUTS == 0
+        assert c.workspace_bytes(m, n, k) == (4 * c.ksplit * m * n if c.family == "kpar" else 0)
+
+
+def test_mma_needs_whole_tiles():
+    mma = next(c for c in CANDIDATES if c.engine == "mma" and c.family == "wide")
+    assert mma.valid(4, 1000, 4096)
+    assert "mma tile" in mma.invalid_reason(4, 1004, 4096)
+
+
+def test_every_kernel_a_valid_candidate_launches_is_compiled():
+    """The launcher compiles instantiations() per codebook; a launch outside that set would fail at run time."""
+    compiled = set(instantiations())
+    for cb in CODEBOOKS:
+        for c in CANDIDATES:
+            for m in (1, 2, 3, 5, 8, 9, 16, 17, 31, 32, 33, 64):
+                assert (cb, c.kernel_name(cb, m)) in compiled, (cb, c.id, m)
+
+
+def test_mma_row_tiles_follow_m():
+    mma = next(c for c in CANDIDATES if c.engine == "mma" and c.family == "kpar")
+    assert mma.kernel_name("Q4_0", 16) == f"gemv_mma<0, {mma.mma_tiles}, 1, true>"
+    assert mma.kernel_name("IQ4_NL", 31) == f"gemv_mma<5, {mma.mma_tiles}, 2, true>"
