@@ -3,7 +3,7 @@
 Default plan (`parse_plan()` with no arguments): the union of the (N, K) geometries of every model inventory
 in corpus/shapes/ (the synthetic grid is left out; pass it with --shapes), all six codebooks, M in {1, 4, 16},
 graph mode, `sweep_timing()` (cold L2, racing on, at most 15 rounds): 96 geometries x 6 x 3 = 1728 cells,
-measured at 377 s of wall time on one H200 (two resumed runs: 126 s for Q4_0/Q8_0, 251 s for the rest).
+measured at 384 s of wall time on one H200 (two runs of three codebooks each: 188.5 s and 195.8 s).
 
 Each finished cell becomes one shard, so an interruption loses at most the cell in flight; a rerun skips the
 cells the corpus already holds under the same provenance key (resume). With several devices, the parent
@@ -39,8 +39,8 @@ DEFAULT_MODES = "graph"
 
 
 def sweep_timing(hot: bool = False) -> TimingConfig:
-    """The sweep's timing parameters: the harness defaults with at most 15 rounds, so ~20 candidates over the
-    default 1728 cells fit a 10-minute budget (377 s measured on an H200); racing ends most cells earlier."""
+    """The sweep's timing parameters: the harness defaults with at most 15 rounds, so 16-31 candidates over the
+    default 1728 cells fit a 10-minute budget (384 s measured on an H200); racing ends most cells earlier."""
     return TimingConfig(cold_l2=not hot, max_rounds=15)
 
 
