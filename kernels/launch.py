@@ -111,6 +111,7 @@ def storage(qact: QuantizedActivations) -> tuple[np.uint64, np.uint64, np.uint64
 
 
 def is_block_major(qact: QuantizedActivations) -> bool:
+    """Whether the [M, KB] views sit on block-major buffers, the only layout the kernels read."""
     return all(a.T.flags.c_contiguous if a.ndim == 2 else a.transpose(1, 0, 2).flags.c_contiguous
                for a in (qact.q, qact.d, qact.sum))
 

@@ -26,6 +26,7 @@ from kernels.emulate import effective_split, identity, partition_width
 from kernels.errors import InputError
 
 Family = Literal["wide", "direct", "kpar"]
+Engine = Literal["dp4a", "mma"]
 CODEBOOK_IDS = {name: i for i, name in enumerate(CODEBOOKS)}  # the `Codebook` enum of gemv.cu
 ROW_TILES = (1, 2, 4, 8, 16)
 MAX_ACCUMULATORS = 16  # MT·CPT per thread
@@ -65,7 +66,7 @@ class Candidate:
         return f"{self.family}.s{self.ksplit}.t{self.threads}.{tail}"
 
     @property
-    def engine(self) -> str:
+    def engine(self) -> Engine:
         return "mma" if self.mma_tiles else "dp4a"
 
     @property
