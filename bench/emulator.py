@@ -22,7 +22,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels import emulate
-from kernels.codebooks import CODEBOOKS, quantize
+from kernels.codebooks import CODEBOOKS, get, quantize
+from kernels.errors import BLOCK, InputError
 from kernels.layout import pack
 
 GOAL_S = 2.0
@@ -40,14 +41,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="timed runs per case; the median is reported")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    if args.n <= 0 or args.m <= 0 or args.k <= 0 or args.k % 32:
+    if args.n <= 0 or args.m <= 0 or args.k <= 0 or args.k % BLOCK:
         p.error(f"need N, M > 0 and K a positive multiple of 32, got N={args.n}, M={args.m}, K={args.k}")
     if args.repeats < 1:
         p.error("--repeats must be >= 1")
-    args.codebooks = list(CODEBOOKS) if args.codebooks == "all" else args.codebooks.split(",")
-    unknown = [c for c in args.codebooks if c.upper() not in CODEBOOKS]
-    if unknown:
-        p.error(f"unknown codebook(s) {', '.join(unknown)}; known: {', '.join(CODEBOOKS)}")
+    try:
+        names = CODEBOOKS if args.codebooks == "all" else args.codebooks.split(",")
+        args.codebooks = [get(c).name for c in names]
+    except InputError as err:
+        p.error(str(err))
     try:
         args.ksplits = [int(s) for s in args.ksplits.split(",")]
     except ValueError:
@@ -61,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     rng = np.random.default_rng(args.seed)
     x = rng.standard_normal((args.m, args.k)).astype(np.float32)
-    kb = args.k // 32
+    kb = args.k // BLOCK
     print(f"kernels.emulate.gemv  N={args.n} K={args.k} M={args.m}  median of {args.repeats} runs")
     header = f"{'codebook':<9} {'ksplit':>6} {'S':>4} {'median s':>9} {'min s':>7} {'max s':>7}"
     print(f"{header}  goal <= {GOAL_S:g} s")

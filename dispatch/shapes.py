@@ -29,9 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kernels.errors import InputError
+from kernels.errors import BLOCK, InputError
 
-QBLOCK = 32  # K must hold whole quantization blocks
 ROLES = ("q", "k", "v", "o", "qkv", "gate", "up", "gate_up", "down", "lm_head")
 CONFIG_KEYS = (
     "hidden_size",
@@ -134,8 +133,8 @@ def inventory_from_dict(data: Any, where: str) -> Inventory:
         for key in ("n", "k"):
             if not _is_int(entry[key]) or entry[key] <= 0:
                 raise InputError(f"{at}: {key} must be an integer > 0, got {entry[key]!r}")
-        if entry["k"] % QBLOCK:
-            raise InputError(f"{at}: k={entry['k']} is not a multiple of {QBLOCK}")
+        if entry["k"] % BLOCK:
+            raise InputError(f"{at}: k={entry['k']} is not a multiple of {BLOCK}")
         if role in seen:
             raise InputError(f"{at}: duplicate role, already at shapes[{seen[role]}]")
         seen[role] = i
@@ -234,7 +233,7 @@ def _grid_axis(lo: int, hi: int) -> tuple[list[int], list[int]]:
     The odd multiples (e.g. 352 = 11·32, 2912 = 91·32) are never a multiple of 64, so they leave
     partial tiles and partial K partitions that the power-of-two points never exercise."""
     powers = [1 << e for e in range(lo.bit_length() - 1, hi.bit_length())]
-    halves = [(math.isqrt(a * b) // QBLOCK | 1) * QBLOCK for a, b in itertools.pairwise(powers)]
+    halves = [(math.isqrt(a * b) // BLOCK | 1) * BLOCK for a, b in itertools.pairwise(powers)]
     return powers, halves
 
 
@@ -328,13 +327,13 @@ def from_gguf(path: StrPath) -> Inventory:
         if len(ne) != (3 if role.startswith("expert_") else 2):
             continue
         k, n = ne[0], ne[1]
-        if k % QBLOCK:
+        if k % BLOCK:
             bad_k += 1
             continue
         if (n, k) not in found.setdefault(role, []):
             found[role].append((n, k))
     if bad_k:
-        warnings.warn(f"{path}: skipped {bad_k} tensor(s) whose K is not a multiple of {QBLOCK}",
+        warnings.warn(f"{path}: skipped {bad_k} tensor(s) whose K is not a multiple of {BLOCK}",
                       stacklevel=2)
     if unknown:
         warnings.warn(f"{path}: ignored weight tensors of unknown role: {', '.join(sorted(unknown))}",

@@ -15,11 +15,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kernels.errors import InputError, check_matrix, describe
+from kernels.errors import BLOCK, InputError, check_matrix, describe
 
 CODEBOOKS: tuple[str, ...] = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL")
-
-QK = 32  # weights per block, all formats here
 
 # Source format -> execution codebook key (the runtime dispatch key). This is the ONE place the mapping
 # lives. Formats whose execution arithmetic is identical (same code range, same planes, same §1
@@ -55,7 +53,7 @@ class Codebook:
         if qs_offset + self.payload_bytes != self.block_bytes:
             raise AssertionError(f"{self.name}: inconsistent block layout")
         for key, value in (
-            ("bits_per_weight", self.block_bytes * 8 / QK),
+            ("bits_per_weight", self.block_bytes * 8 / BLOCK),
             ("execution", EXECUTION[self.name]),
             ("d_offset", 0),
             ("m_offset", m_offset),
@@ -118,13 +116,13 @@ def check_blocks(book: Codebook, blocks: object, k: object) -> tuple[np.ndarray,
         raise InputError(f"{book.name}: k must be an int, got {type(k).__name__}") from None
     if k <= 0:
         raise InputError(f"{book.name}: K must be positive, got K={k}")
-    if k % QK:
-        raise InputError(f"{book.name}: K={k} is not a multiple of {QK}")
+    if k % BLOCK:
+        raise InputError(f"{book.name}: K={k} is not a multiple of {BLOCK}")
     if not isinstance(blocks, np.ndarray) or blocks.dtype != np.uint8 or blocks.ndim != 2:
         raise InputError(f"{book.name}: blocks must be a 2-D uint8 array, got {describe(blocks)}")
     if blocks.shape[0] <= 0:
         raise InputError(f"{book.name}: N must be positive, got blocks of shape {blocks.shape}")
-    expected = k // QK * book.block_bytes
+    expected = k // BLOCK * book.block_bytes
     if blocks.shape[1] != expected:
         raise InputError(
             f"{book.name}: bytes per row must be K/32*{book.block_bytes} = {expected} for K={k}, "
@@ -141,10 +139,10 @@ def block_fields(codebook: str, blocks: np.ndarray, k: int) -> BlockFields:
     """GGUF block bytes uint8 [N, KB*block_bytes] -> integer codes and float32 scale (and min)."""
     book = get(codebook)
     blocks, k = check_blocks(book, blocks, k)
-    n, kb = blocks.shape[0], k // QK
+    n, kb = blocks.shape[0], k // BLOCK
     b3 = blocks.reshape(n, kb, book.block_bytes)
 
-    scale = b3[:, :, 0:2].copy().view("<f2")[..., 0].astype(np.float32)
+    scale = b3[:, :, book.d_offset : book.d_offset + 2].copy().view("<f2")[..., 0].astype(np.float32)
     mins = None
     if book.asymmetric:
         mins = b3[:, :, book.m_offset : book.m_offset + 2].copy().view("<f2")[..., 0].astype(np.float32)
@@ -175,7 +173,11 @@ def dequantize(codebook: str, blocks: np.ndarray, k: int) -> np.ndarray:
     scale*code (+min), one fp32 rounding per operation: the same operations, in the same order, as gguf
     (multiplication commutes bitwise, so code*scale == scale*code). For finite scales the product is even
     exact (11-bit fp16 significand times an 8-bit code), so the only rounding is the asymmetric +min."""
-    f = block_fields(codebook, blocks, k)
+    return dequantize_fields(block_fields(codebook, blocks, k))
+
+
+def dequantize_fields(f: BlockFields) -> np.ndarray:
+    """The weights float32 [N, K] of decoded blocks: scale*code (+min), as `dequantize` describes."""
     with np.errstate(over="ignore", invalid="ignore"):  # arbitrary bytes may hold inf/nan scales
         w = f.codes.astype(np.float32) * f.scale[:, :, None]
         if f.min is not None:
@@ -376,7 +378,7 @@ def quantize(codebook: str, w: np.ndarray) -> np.ndarray:
     book = get(codebook)
     w = _check_weights(book, w)
     n, k = w.shape
-    wb = w.reshape(-1, QK)
+    wb = w.reshape(-1, BLOCK)
     out = np.empty((wb.shape[0], book.block_bytes), dtype=np.uint8)
     encode = _ENCODERS[book.name]
     # Blocks are independent, so chunking changes nothing but speed. Overflow / division warnings are
@@ -385,4 +387,4 @@ def quantize(codebook: str, w: np.ndarray) -> np.ndarray:
         for start in range(0, wb.shape[0], _CHUNK_BLOCKS):
             stop = start + _CHUNK_BLOCKS
             out[start:stop] = encode(wb[start:stop])
-    return out.reshape(n, k // QK * book.block_bytes)
+    return out.reshape(n, k // BLOCK * book.block_bytes)

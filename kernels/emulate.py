@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from kernels.codebooks import BlockFields, block_fields
+from kernels.codebooks import BlockFields, block_fields, dequantize_fields
 from kernels.errors import BLOCK, InputError, check_matrix
 from kernels.layout import PackedWeights, unpack
 
@@ -147,10 +147,7 @@ def reference(packed: PackedWeights, x: np.ndarray) -> np.ndarray:
 
 def _dequantized(f: BlockFields) -> np.ndarray:
     """float64 [N, K] of the fp32 weights scale·code (+ min), as gguf dequantizes them."""
-    w = f.scale[:, :, None] * f.codes.astype(np.float32)
-    if f.min is not None:
-        w = w + f.min[:, :, None]
-    return w.reshape(f.codes.shape[0], -1).astype(np.float64)
+    return dequantize_fields(f).astype(np.float64)
 
 
 def error_bound(packed: PackedWeights, x: np.ndarray, ksplit: int = 1) -> np.ndarray:
@@ -167,15 +164,14 @@ def error_bound(packed: PackedWeights, x: np.ndarray, ksplit: int = 1) -> np.nda
     """
     qa = quantize_activations(x, packed.k)
     f = _fields(packed)
-    w = _dequantized(f)
+    w_abs = np.abs(_dequantized(f))  # [N, K]
     m, kb = qa.m, packed.kb
     blocks = np.abs(x.astype(np.float64)).reshape(m, kb, BLOCK)
     amax = blocks.max(axis=2)
     d = qa.d.astype(np.float64)
     normal = d >= np.finfo(np.float32).tiny
     eps_act = np.where(normal, d * (0.5 + 2.0**-17), np.maximum(amax, d * (0.5 + 2.0**-17)))  # [M, KB]
-    w_abs = np.abs(w).reshape(packed.n, kb, BLOCK).sum(axis=2)  # [N, KB]
-    act = eps_act @ w_abs.T
+    act = eps_act @ w_abs.reshape(packed.n, kb, BLOCK).sum(axis=2).T
 
     s = np.einsum("mbj,nbj->mnb", qa.q.astype(np.float64), f.codes.astype(np.float64))
     exact_t = np.abs(d[:, None, :] * f.scale.astype(np.float64)[None] * s)
@@ -185,7 +181,7 @@ def error_bound(packed: PackedWeights, x: np.ndarray, ksplit: int = 1) -> np.nda
     u = 2.0**-24
     gamma = n_ops * u / (1 - n_ops * u)
     dq = (d[:, :, None] * np.abs(qa.q)).reshape(m, packed.k)
-    weight_rounding = u * (dq @ np.abs(w).T) if f.min is not None else 0.0
+    weight_rounding = u * (dq @ w_abs.T) if f.min is not None else 0.0
     eta = 2.0**-150
     underflow = eta * (2 * np.abs(s) + 2 * np.abs(qa.sum.astype(np.float64))[:, None, :] + 8).sum(axis=2)
     underflow += eta * n_ops

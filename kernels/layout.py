@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kernels.codebooks import check_blocks, get
-from kernels.errors import InputError
+from kernels.errors import BLOCK, InputError
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,7 @@ class PackedWeights:
 
     @property
     def kb(self) -> int:
-        return self.k // 32
+        return self.k // BLOCK
 
     @property
     def nbytes(self) -> int:
@@ -55,15 +55,15 @@ def pack(codebook: str, blocks: np.ndarray, n: int, k: int) -> PackedWeights:
     blocks, k = check_blocks(book, blocks, k)
     if blocks.shape[0] != n:
         raise InputError(f"{book.name} blocks for N={n}, K={k} must have {n} rows, got shape {blocks.shape}")
-    blocks3 = blocks.reshape(n, k // 32, book.block_bytes)
-    kb = k // 32
+    kb = k // BLOCK
+    blocks3 = blocks.reshape(n, kb, book.block_bytes)
     return PackedWeights(
         codebook=book.name,
         execution=book.execution,
         n=n,
         k=k,
         payload=_field(blocks3, book.qs_offset, book.payload_bytes).view(np.uint32).reshape(kb, n, -1),
-        scale=_field(blocks3, 0, 2).view(np.float16).reshape(kb, n),
+        scale=_field(blocks3, book.d_offset, 2).view(np.float16).reshape(kb, n),
         min=_field(blocks3, book.m_offset, 2).view(np.float16).reshape(kb, n) if book.asymmetric else None,
         high=_field(blocks3, book.qh_offset, 4).view(np.uint32).reshape(kb, n) if book.high_bits else None,
     )
@@ -79,7 +79,7 @@ def unpack(packed: PackedWeights) -> np.ndarray:
         as_bytes = np.ascontiguousarray(plane).view(np.uint8).reshape(kb, n, -1)
         blocks3[:, :, offset : offset + as_bytes.shape[2]] = as_bytes.transpose(1, 0, 2)
 
-    put(packed.scale, 0)
+    put(packed.scale, book.d_offset)
     put(packed.payload, book.qs_offset)
     if packed.min is not None:
         put(packed.min, book.m_offset)

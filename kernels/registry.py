@@ -18,18 +18,19 @@ mma (MMA_ROWS), two of them per pass when M > 16.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cache, cached_property
 from typing import Literal
 
 from kernels.codebooks import CODEBOOKS, get
 from kernels.emulate import effective_split, identity, partition_width
-from kernels.errors import InputError
+from kernels.errors import BLOCK, InputError
 
 Family = Literal["wide", "direct", "kpar"]
 Engine = Literal["dp4a", "mma"]
 CODEBOOK_IDS = {name: i for i, name in enumerate(CODEBOOKS)}  # the `Codebook` enum of gemv.cu
 ROW_TILES = (1, 2, 4, 8, 16)
 MAX_ACCUMULATORS = 16  # MT·CPT per thread
+WARP = 32
 MMA_ROWS = 16  # activation rows per mma.m16n8k32 (the A operand)
 MMA_OUTPUTS = 8  # outputs per mma (the B operand)
 MMA_ROW_TILES = (1, 2)  # M tiles of MMA_ROWS handled per pass over the weights
@@ -57,7 +58,7 @@ class Candidate:
     mma_tiles: int = 0  # tensor-core engine: 8-output mma tiles per warp; 0 selects the dp4a engine
 
     def __post_init__(self) -> None:
-        if self.mma_tiles and (self.family == "direct" or self.cpt != 1 or self.threads % 32):
+        if self.mma_tiles and (self.family == "direct" or self.cpt != 1 or self.threads % WARP):
             raise ValueError(f"an mma candidate is wide or kpar with cpt 1 and whole warps, not {self}")
 
     @cached_property
@@ -71,15 +72,15 @@ class Candidate:
 
     @property
     def outputs_per_cta(self) -> int:
-        return self.threads // 32 * MMA_OUTPUTS * self.mma_tiles if self.mma_tiles else self.threads * self.cpt
+        return self.threads // WARP * MMA_OUTPUTS * self.mma_tiles if self.mma_tiles else self.threads * self.cpt
 
     def split(self, k: int) -> int:
         """The effective split S this candidate runs for K (partitions launched)."""
-        return effective_split(k // 32, self.ksplit)
+        return effective_split(k // BLOCK, self.ksplit)
 
     def identity(self, k: int) -> int:
         """The arithmetic identity of its result for K: candidates with equal identities are interchangeable."""
-        return identity(k // 32, self.ksplit)
+        return identity(k // BLOCK, self.ksplit)
 
     @property
     def launches(self) -> int:
@@ -101,14 +102,14 @@ class Candidate:
 
     def invalid_reason(self, m: int, n: int, k: int) -> str | None:
         """Why this candidate cannot run (M, N, K), or None when it can."""
-        if m < 1 or n < 1 or k < 32 or k % 32:
-            return f"shape M={m}, N={n}, K={k} is not a GEMV shape (M, N >= 1; K a positive multiple of 32)"
+        if m < 1 or n < 1 or k < BLOCK or k % BLOCK:
+            return f"shape M={m}, N={n}, K={k} is not a GEMV shape (M, N >= 1; K a positive multiple of {BLOCK})"
         if n % self.cpt:
             return f"N={n} is not a multiple of {self.cpt} outputs per thread"
         if self.mma_tiles and n % MMA_OUTPUTS:
             return f"N={n} is not a multiple of the {MMA_OUTPUTS} outputs of an mma tile"
         if self.split(k) != self.ksplit:
-            return f"ksplit {self.ksplit} is not effective for KB={k // 32} (it acts as S={self.split(k)})"
+            return f"ksplit {self.ksplit} is not effective for KB={k // BLOCK} (it acts as S={self.split(k)})"
         if self.family != "kpar" and self.threads * self.ksplit > 1024:
             return f"{self.threads}x{self.ksplit} threads exceed 1024 per CTA"
         if self.shared_bytes(m) > SHARED_MEMORY_LIMIT:
@@ -134,7 +135,7 @@ class Candidate:
         return (columns, 1, 1), (self.threads, self.ksplit, 1)
 
     def partition_width(self, k: int) -> int:
-        return partition_width(k // 32, self.ksplit)
+        return partition_width(k // BLOCK, self.ksplit)
 
 
 def _build() -> tuple[Candidate, ...]:
@@ -171,7 +172,13 @@ def candidates_for(m: int, n: int, k: int) -> list[Candidate]:
     return [c for c in CANDIDATES if c.valid(m, n, k)]
 
 
+@cache
+def kernel_names(codebook: str) -> tuple[str, ...]:
+    """Every template instantiation a candidate may launch for this codebook: what its module compiles."""
+    every_tiling = range(1, 2 * MMA_ROWS + 1)  # M values that reach every row tile of both engines
+    return tuple(sorted({cand.kernel_name(codebook, m) for cand in CANDIDATES for m in every_tiling}))
+
+
 def instantiations() -> list[tuple[str, str]]:
     """Every (codebook, kernel name) any candidate may launch: the set the compile check covers."""
-    every_tiling = range(1, 2 * MMA_ROWS + 1)  # M values that reach every row tile of both engines
-    return sorted({(cb, cand.kernel_name(cb, m)) for cb in CODEBOOKS for cand in CANDIDATES for m in every_tiling})
+    return [(cb, name) for cb in CODEBOOKS for name in kernel_names(cb)]

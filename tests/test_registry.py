@@ -16,6 +16,7 @@ from kernels.registry import (
     by_id,
     candidates_for,
     instantiations,
+    kernel_names,
 )
 
 shapes = st.tuples(st.integers(1, 40), st.integers(1, 262144), st.integers(1, 2048).map(lambda kb: 32 * kb))
@@ -89,8 +90,9 @@ def test_mma_needs_whole_tiles():
 
 
 def test_every_kernel_a_valid_candidate_launches_is_compiled():
-    """The launcher compiles instantiations() per codebook; a launch outside that set would fail at run time."""
+    """The launcher compiles kernel_names(codebook); a launch outside that set would fail at run time."""
     compiled = set(instantiations())
+    assert compiled == {(cb, name) for cb in CODEBOOKS for name in kernel_names(cb)}
     for cb in CODEBOOKS:
         for c in CANDIDATES:
             for m in (1, 2, 3, 5, 8, 9, 16, 17, 31, 32, 33, 64):

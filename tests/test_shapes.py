@@ -12,7 +12,6 @@ from click.testing import CliRunner
 from dispatch.cli import main
 from dispatch.shapes import (
     GRID_MAX_ELEMENTS,
-    QBLOCK,
     ROLES,
     Inventory,
     default_inventory_dir,
@@ -24,7 +23,7 @@ from dispatch.shapes import (
     write_inventory,
     write_synthetic_grid,
 )
-from kernels.errors import InputError
+from kernels.errors import BLOCK, InputError
 
 REQUIRED_MODELS = {
     "llama-3.1-8b", "llama-3.1-70b", "qwen2.5-7b", "qwen2.5-32b", "qwen3-8b",
@@ -52,7 +51,7 @@ def test_shipped_inventories_cover_required_models_and_ten_families(shipped):
 def test_every_model_has_the_ten_roles_with_whole_blocks(shipped):
     for inv in models(shipped):
         assert [s.role for s in inv.shapes] == list(ROLES), inv.name
-        assert all(s.k % QBLOCK == 0 and s.n > 0 for s in inv.shapes)
+        assert all(s.k % BLOCK == 0 and s.n > 0 for s in inv.shapes)
         assert all(s.model == inv.name and s.family == inv.family for s in inv.shapes)
         assert inv.source.endswith("/config.json")
 
@@ -109,8 +108,8 @@ def test_synthetic_grid_spans_the_ranges_with_partial_tiles():
     grid = synthetic_grid()
     ns, ks = {s.n for s in grid.shapes}, {s.k for s in grid.shapes}
     assert (min(ns), max(ns), min(ks), max(ks)) == (256, 262144, 256, 65536)
-    assert all(s.k % QBLOCK == 0 and s.n * s.k <= GRID_MAX_ELEMENTS for s in grid.shapes)
-    assert any(k % 64 == QBLOCK for k in ks) and any(n % 64 == QBLOCK for n in ns)
+    assert all(s.k % BLOCK == 0 and s.n * s.k <= GRID_MAX_ELEMENTS for s in grid.shapes)
+    assert any(k % 64 == BLOCK for k in ks) and any(n % 64 == BLOCK for n in ns)
     assert len(grid.geometries()) == len(grid.shapes) >= 100
     assert grid.family == "synthetic"
 
@@ -172,7 +171,7 @@ def test_missing_file_and_empty_directory(tmp_path):
         load_inventories(tmp_path)
 
 
-def test_load_inventories_accepts_files_and_directories(tmp_path, shipped):
+def test_load_inventories_accepts_files_and_directories(tmp_path):
     single = load_inventories(default_inventory_dir() / "qwen3-8b.json")
     assert [inv.name for inv in single] == ["qwen3-8b"]
     (tmp_path / "m.json").write_text(json.dumps(good()))
@@ -279,7 +278,7 @@ def test_from_gguf_per_layer_widths_and_bad_k(tmp_path):
         inv = from_gguf(write_gguf(tmp_path / "wide.gguf", tensors))
     roles = [s.role for s in inv.shapes]
     assert f"up:{FF}x{HIDDEN}" in roles and f"up:{FF + 32}x{HIDDEN}" in roles and "up" not in roles
-    assert all(s.k % QBLOCK == 0 for s in inv.shapes)
+    assert all(s.k % BLOCK == 0 for s in inv.shapes)
     assert load_inventory(write_inventory(inv, tmp_path / "wide.json")) == inv  # still one role per entry
 
 
