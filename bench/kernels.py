@@ -15,6 +15,7 @@ import json
 import math
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -23,16 +24,15 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dispatch.sweep import GpuTimer
-from dispatch.timing import CupyBackend, Launch, Rotation, Stats, TimingConfig, copies_for_cold_l2, time_candidates
+from dispatch.sweep import GpuTimer, sweep_timing
+from dispatch.timing import CupyBackend, Launch, Rotation, Stats, copies_for_cold_l2, time_candidates
 from kernels.codebooks import CODEBOOKS, get
 from kernels.registry import by_id, candidates_for
 
 ANCHORS = [(4096, 4096), (14336, 4096), (4096, 14336), (5120, 5120), (27648, 5120), (5120, 27648),
            (151936, 4096), (1024, 4096), (512, 2048)]
 Q4_0_M = (1, 4, 8, 16)
-CONFIG = TimingConfig(mode="graph", cold_l2=True, window_us=300.0, warmup_rounds=2, min_rounds=5,
-                      max_rounds=15, race=True)
+CONFIG = replace(sweep_timing(), window_us=300.0)  # the sweep's settings, longer windows
 STREAM_KERNEL = r"""
 // Four independent 16-byte loads in flight per thread per step.
 extern "C" __global__ void stream_read(const uint4* __restrict__ src, unsigned long long n16, unsigned* sink) {
@@ -50,13 +50,8 @@ extern "C" __global__ void stream_read(const uint4* __restrict__ src, unsigned l
 """
 
 
-def device_props() -> dict[str, Any]:
-    p = cp.cuda.runtime.getDeviceProperties(0)
-    return {"name": p["name"].decode(), "sm_count": p["multiProcessorCount"], "l2_bytes": p["l2CacheSize"]}
-
-
 def time_ours(timer: GpuTimer, codebook: str, m: int, n: int, k: int) -> dict[str, Stats]:
-    """Every candidate of the cell, timed exactly as the sweep times it (racing drops the clearly beaten)."""
+    """Every candidate of the cell, timed as the sweep times it (racing drops the clearly beaten)."""
     return timer.time_cell(codebook, m, n, k, CONFIG.mode, candidates_for(m, n, k)).stats
 
 
@@ -129,14 +124,13 @@ def time_baselines(m: int, n: int, k: int, l2: int, backend: TorchBackend) -> di
     return out
 
 
-def read_ceiling(l2: int, stream: Any) -> float:
+def read_ceiling(l2: int, sms: int, stream: Any) -> float:
     """GB/s of a 16-byte-load streaming read over rotating 256 MiB buffers (> 3x L2 in rotation)."""
     kernel = cp.RawKernel(STREAM_KERNEL, "stream_read")
     chunk = 256 << 20
     bufs = [cp.random.default_rng(i).integers(0, 2**32, chunk // 4, dtype=cp.uint64).astype(cp.uint32)
             for i in range(copies_for_cold_l2(chunk, l2))]
     sink = cp.zeros(1, cp.uint32)
-    sms = cp.cuda.runtime.getDeviceProperties(0)["multiProcessorCount"]
 
     def run(i: int) -> None:
         with stream:
@@ -151,11 +145,12 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True, help="JSON results file")
     ap.add_argument("--quick", action="store_true", help="three anchors only (smoke run)")
     args = ap.parse_args()
-    props = device_props()
-    l2 = props["l2_bytes"]
     timer = GpuTimer(CONFIG)
+    prov = timer.provenance()
+    props = {"name": prov.gpu_name, "sm_count": prov.sm_count, "l2_bytes": prov.l2_bytes}
+    l2 = prov.l2_bytes
     t0 = time.time()
-    ceiling = read_ceiling(l2, timer.stream)
+    ceiling = read_ceiling(l2, prov.sm_count, timer.stream)
     print(f"{props['name']}: read ceiling {ceiling:.0f} GB/s (16-byte streaming loads)", flush=True)
     backend = TorchBackend()
     anchors = ANCHORS[:3] if args.quick else ANCHORS

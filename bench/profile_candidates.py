@@ -20,23 +20,29 @@ from kernels import launch
 from kernels.registry import by_id
 
 
-def main(cells: list[str]) -> None:
+def launch_cells(cells: list[tuple[str, int, int, int, str]], repeats: int = 3) -> None:
+    """Launch each (codebook, M, N, K, candidate) `repeats` times on random weights, one stream."""
     stream = cp.cuda.Stream(non_blocking=True)
-    for cell in cells:
-        codebook, m, n, k, cid = cell.split(":")
-        m, n, k = int(m), int(n), int(k)
+    for codebook, m, n, k, cid in cells:
         cand = by_id(cid)
         rng = cp.random.default_rng(n + k)
         with stream:
             weights = launch.random_weights(codebook, n, k, rng)
             x = rng.standard_normal((m, k), dtype=cp.float32)
             out = cp.empty((m, n), cp.float32)
-            workspace = cp.empty(max(1, cand.workspace_bytes(m, n, k) // 4), cp.float32)
+            need = cand.workspace_bytes(m, n, k)
+            workspace = cp.empty(need // 4, cp.float32) if need else None
         qact = launch.quantize_activations(x, stream)
-        for _ in range(3):
-            launch.gemv(cand, weights, qact, out, stream, workspace)
+        run = launch.bind(cand, [weights], qact, out, stream, workspace)
+        for _ in range(repeats):
+            run(0)
         stream.synchronize()
 
 
+def parse_cell(text: str) -> tuple[str, int, int, int, str]:
+    codebook, m, n, k, cid = text.split(":")
+    return codebook, int(m), int(n), int(k), cid
+
+
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    launch_cells([parse_cell(arg) for arg in sys.argv[1:]])

@@ -19,47 +19,35 @@ import shutil
 import statistics
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import cupy as cp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dispatch.sweep import GpuTimer, weight_copies
-from dispatch.timing import TimingConfig
-from kernels import launch
+from profile_candidates import launch_cells  # bench/, this script's own folder
+
+from dispatch.sweep import GpuTimer, sweep_timing
 from kernels.registry import by_id
 
 # (codebook, M, N, K, candidate): about 10, 30 and 90 microseconds on an H200.
 CASES = [("Q4_0", 1, 14336, 4096, "direct.s8.t32.c1"), ("Q4_0", 1, 27648, 5120, "direct.s4.t64.c1"),
          ("Q4_0", 1, 151936, 4096, "wide.s1.t128.c1")]
 PROFILED_LAUNCHES = 15
-CONFIG = TimingConfig(mode="graph", cold_l2=True, race=False, min_rounds=15, max_rounds=15)
+CONFIG = replace(sweep_timing(), min_rounds=15)  # the sweep's settings, all 15 rounds
 
 
 def harness() -> dict[str, float]:
-    """Per-launch median of each case, timed exactly as the sweep times a cell."""
+    """Per-launch median of each case, timed as the sweep times a cell (all rounds, one candidate)."""
     timer = GpuTimer(CONFIG)
     return {cid: timer.time_cell(cb, m, n, k, CONFIG.mode, [by_id(cid)]).stats[cid].median_us
             for cb, m, n, k, cid in CASES}
 
 
 def profile() -> None:
-    """Launched under ncu: PROFILED_LAUNCHES eager launches per case, rotating copies."""
-    stream = cp.cuda.Stream(non_blocking=True)
-    l2 = cp.cuda.runtime.getDeviceProperties(0)["l2CacheSize"]
-    for codebook, m, n, k, cid in CASES:
-        cand = by_id(cid)
-        with stream:
-            rng = cp.random.default_rng(n + k)
-            copies = weight_copies(codebook, n, k, rng, l2)
-            x = rng.standard_normal((m, k), dtype=cp.float32)
-            out = cp.empty((m, n), cp.float32)
-        qact = launch.quantize_activations(x, stream)
-        launch.check_launch(cand, copies[0], qact, out, None)
-        for i in range(PROFILED_LAUNCHES):
-            launch.gemv(cand, copies[i % len(copies)], qact, out, stream, validate=False)
-        stream.synchronize()
+    """Launched under ncu: PROFILED_LAUNCHES launches per case (ncu's cache control makes each one cold)."""
+    launch_cells([tuple(case) for case in CASES], PROFILED_LAUNCHES)
 
 
 def ncu_durations() -> dict[str, float]:

@@ -27,7 +27,7 @@ from typing import Any, Protocol, TextIO
 from dispatch import __version__, corpus
 from dispatch.corpus import MODES, Cell, Corpus, Provenance, Record, gpu_slug, timing_parameters
 from dispatch.shapes import GRID_NAME, default_inventory_dir, load_inventories
-from dispatch.timing import Launch, Stats, TimingConfig, cell_seed, copies_for_cold_l2, time_candidates
+from dispatch.timing import CupyBackend, Stats, TimingConfig, cell_seed, copies_for_cold_l2, time_candidates
 from kernels import program
 from kernels.codebooks import CODEBOOKS, get
 from kernels.errors import InputError
@@ -219,7 +219,6 @@ class GpuTimer:
     caching the last geometry suffices. Copies rotate past 3x the device's L2 unless the config is hot."""
 
     def __init__(self, config: TimingConfig) -> None:
-        from dispatch.timing import CupyBackend
         from kernels import launch
 
         # Nsight Systems / Compute attach through this variable; nothing timed under them enters a corpus.
@@ -277,13 +276,8 @@ class GpuTimer:
             out = cp.empty((m, n), cp.float32)
             workspace = cp.empty(-(-need // 4), cp.float32) if need else None
         qact = launch.quantize_activations(x, self.stream)
-        for c in candidates:  # validate once; the timed launches skip the checks
-            launch.check_launch(c, copies[0], qact, out, workspace)
-
-        def bind(c: Candidate) -> Launch:
-            return lambda i: launch.gemv(c, copies[i], qact, out, self.stream, workspace=workspace, validate=False)
-
-        stats = time_candidates({c.id: bind(c) for c in candidates}, len(copies),
+        launches = {c.id: launch.bind(c, copies, qact, out, self.stream, workspace) for c in candidates}
+        stats = time_candidates(launches, len(copies),
                                 replace(self.config, mode=mode), self._backend, seed=seed)
         return CellTiming(stats, len(copies))
 

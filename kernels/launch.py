@@ -6,6 +6,7 @@ compiled once per process by NVRTC with the contract's options, for the device's
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -15,9 +16,9 @@ import numpy as np
 from kernels import program
 from kernels.codebooks import get
 from kernels.emulate import QuantizedActivations
-from kernels.errors import InputError
+from kernels.errors import BLOCK, InputError
 from kernels.layout import PackedWeights
-from kernels.registry import FOLD_THREADS, Candidate, instantiations
+from kernels.registry import FOLD_THREADS, Candidate, kernel_names
 
 try:
     import cupy
@@ -81,7 +82,7 @@ def random_weights(codebook: str, n: int, k: int, rng: Any) -> DeviceWeights:
     """Device planes of random codes with finite fp16 scales and mins in [1e-3, 1e-2): timing inputs that
     are never zeros or special values. `rng` is a cupy.random.Generator."""
     cp = require_cupy()
-    book, kb = get(codebook), k // 32
+    book, kb = get(codebook), k // BLOCK
 
     def halfs() -> Any:
         return (rng.random((kb, n), dtype=cp.float32) * 9e-3 + 1e-3).astype(cp.float16).view(cp.uint16)
@@ -89,17 +90,17 @@ def random_weights(codebook: str, n: int, k: int, rng: Any) -> DeviceWeights:
     def words(*shape: int) -> Any:
         return rng.integers(0, 2**32, size=shape, dtype=cp.uint64).astype(cp.uint32)
 
-    return DeviceWeights(codebook, n, k, words(kb, n, book.payload_bytes // 4), halfs(),
+    return DeviceWeights(book.name, n, k, words(kb, n, book.payload_bytes // 4), halfs(),
                          halfs() if book.asymmetric else None, words(kb, n) if book.high_bits else None)
 
 
 def empty_activations(m: int, k: int) -> QuantizedActivations:
-    """Device activations, indexed [M, KB(, 32)] like the emulator's but stored block-major ([KB][M]): the M
+    """Device activations, indexed [M, KB(, BLOCK)] like the emulator's but stored block-major ([KB][M]): the M
     rows of a block are adjacent, so the fragment loads of the mma engine coalesce."""
     cp = require_cupy()
-    kb = k // 32
+    kb = k // BLOCK
     return QuantizedActivations(
-        q=cp.empty((kb, m, 32), cp.int8).transpose(1, 0, 2),
+        q=cp.empty((kb, m, BLOCK), cp.int8).transpose(1, 0, 2),
         d=cp.empty((kb, m), cp.float32).T,
         sum=cp.empty((kb, m), cp.int32).T,
     )
@@ -126,7 +127,7 @@ def check_stream(stream: Any) -> None:
 def _module(codebook: str | None) -> Any:
     """The compiled instantiations of one codebook, or (None) the helper kernels; built once per process."""
     cp = require_cupy()
-    names = [name for cb, name in instantiations() if cb == codebook] if codebook else list(program.HELPER_KERNELS)
+    names = list(kernel_names(codebook) if codebook else program.HELPER_KERNELS)
     return cp.RawModule(code=program.source(), options=program.CONTRACT_OPTIONS, name_expressions=names)
 
 
@@ -147,20 +148,20 @@ def quantize_activations(x: Any, stream: Any, out: QuantizedActivations | None =
     if not isinstance(x, cp.ndarray) or x.dtype != cp.float32 or x.ndim != 2 or not x.flags.c_contiguous:
         raise InputError("activations must be a C-contiguous 2-D float32 CuPy array [M, K]")
     m, k = x.shape
-    if m < 1 or k < 32 or k % 32:
+    if m < 1 or k < BLOCK or k % BLOCK:
         raise InputError(f"activations have shape {x.shape}; need M >= 1 and K a positive multiple of 32")
     with stream:
         if not bool(cp.isfinite(x).all()):
             raise InputError("activations contain non-finite values; they must be finite")
     out = out or empty_activations(m, k)
-    if (out.m, out.kb) != (m, k // 32) or not is_block_major(out):
+    kb = k // BLOCK
+    if (out.m, out.kb) != (m, kb) or not is_block_major(out):
         raise InputError(f"`out` must be launch.empty_activations({m}, {k})")
-    blocks = m * (k // 32)
     threads = 256
     with stream:
         _helper("quantize_activations")(
-            ((blocks * 32 + threads - 1) // threads,), (threads,),
-            (x, np.int32(m), np.int32(k // 32), *storage(out)),
+            (-(-m * kb * BLOCK // threads),), (threads,),  # one warp per (row, block)
+            (x, np.int32(m), np.int32(kb), *storage(out)),
         )
     return out
 
@@ -169,8 +170,8 @@ def check_launch(candidate: Candidate, weights: DeviceWeights, qact: QuantizedAc
                  workspace: Any) -> None:
     cp = require_cupy()
     m, n, k = qact.m, weights.n, weights.k
-    if qact.kb * 32 != k:
-        raise InputError(f"activations have K={qact.kb * 32}, weights have K={k}")
+    if qact.kb * BLOCK != k:
+        raise InputError(f"activations have K={qact.kb * BLOCK}, weights have K={k}")
     if not is_block_major(qact):
         raise InputError("activations must come from launch.quantize_activations (block-major device arrays)")
     reason = candidate.invalid_reason(m, n, k)
@@ -185,29 +186,45 @@ def check_launch(candidate: Candidate, weights: DeviceWeights, qact: QuantizedAc
         raise InputError("output and weights are on different devices")
 
 
-def gemv(candidate: Candidate, weights: DeviceWeights, qact: QuantizedActivations, out: Any, stream: Any,
-         workspace: Any = None, validate: bool = True) -> None:
-    """Enqueue y = W·x for quantized activations on `stream`; `out` float32 [M, N] receives y.
-
-    `validate=False` skips the checks for timed loops whose arguments were checked once already."""
+def bind(candidate: Candidate, copies: Sequence[DeviceWeights], qact: QuantizedActivations, out: Any, stream: Any,
+         workspace: Any = None) -> Callable[[int], None]:
+    """Check once and resolve everything a launch needs; `launch(i)` then enqueues y = W·x on `stream` with
+    W = copies[i] (copies of one matrix, e.g. rotated for cold L2) and nothing left to compute on the host:
+    eager timing measures the launch, not this setup. `out` float32 [M, N] receives y."""
     check_stream(stream)
-    if validate:
-        check_launch(candidate, weights, qact, out, workspace)
-    m, n, k = qact.m, weights.n, weights.k
-    kernel = _kernel(weights.codebook, candidate.kernel_name(weights.codebook, m))
+    if not copies:
+        raise InputError("bind needs at least one weights copy")
+    first = copies[0]
+    check_launch(candidate, first, qact, out, workspace)
+    if any((w.codebook, w.n, w.k) != (first.codebook, first.n, first.k) for w in copies):
+        raise InputError("weights copies must share one codebook and shape")
+    m, n, k = qact.m, first.n, first.k
+    kernel = _kernel(first.codebook, candidate.kernel_name(first.codebook, m))
     grid, block = candidate.launch_geometry(m, n, k)
-    target = workspace if candidate.grid_split else out
+    shared = candidate.shared_bytes(m)
     none = np.uint64(0)  # a null pointer for planes this codebook lacks
-    args = (
-        weights.payload, weights.high if weights.high is not None else none, weights.scale,
-        weights.min if weights.min is not None else none, *storage(qact),
-        np.int32(m), np.int32(n), np.int32(k // 32), np.int32(candidate.partition_width(k)), target,
-    )
-    with stream:  # CuPy launches raw kernels on the current stream
-        kernel(grid, block, args, shared_mem=candidate.shared_bytes(m))
-        if candidate.grid_split:
-            count = m * n
-            _helper("fold_partials")(
-                ((count + FOLD_THREADS - 1) // FOLD_THREADS,), (FOLD_THREADS,),
-                (workspace, np.int32(candidate.ksplit), np.int32(count), out),
-            )
+    tail = (*storage(qact), np.int32(m), np.int32(n), np.int32(k // BLOCK), np.int32(candidate.partition_width(k)),
+            workspace if candidate.grid_split else out)
+    args = [(w.payload, none if w.high is None else w.high, w.scale, none if w.min is None else w.min, *tail)
+            for w in copies]
+    if not candidate.grid_split:
+        def launch(i: int) -> None:
+            with stream:  # CuPy launches raw kernels on the current stream
+                kernel(grid, block, args[i], shared_mem=shared)
+        return launch
+
+    fold = _helper("fold_partials")
+    fold_grid = (-(-m * n // FOLD_THREADS),)
+    fold_args = (workspace, np.int32(candidate.ksplit), np.int32(m * n), out)
+
+    def launch_and_fold(i: int) -> None:
+        with stream:
+            kernel(grid, block, args[i], shared_mem=shared)
+            fold(fold_grid, (FOLD_THREADS,), fold_args)
+    return launch_and_fold
+
+
+def gemv(candidate: Candidate, weights: DeviceWeights, qact: QuantizedActivations, out: Any, stream: Any,
+         workspace: Any = None) -> None:
+    """Enqueue y = W·x for quantized activations on `stream`; `out` float32 [M, N] receives y."""
+    bind(candidate, [weights], qact, out, stream, workspace)(0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from bitcheck import assert_same_bits, bits
 
 from kernels import emulate, layout
 from kernels.codebooks import CODEBOOKS, quantize
@@ -26,24 +27,6 @@ def cp():
 @pytest.fixture(scope="module")
 def stream(cp):
     return cp.cuda.Stream(non_blocking=True)
-
-
-def bits(a) -> np.ndarray:
-    return np.ascontiguousarray(a).view(np.uint32)
-
-
-def assert_same_bits(got: np.ndarray, want: np.ndarray, what: str) -> None:
-    """Byte equality (+0/−0 and NaN payloads distinct); on failure name the first differing element."""
-    got, want = bits(got), bits(want)
-    if got.shape == want.shape and np.array_equal(got, want):
-        return
-    assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
-    where = np.argwhere(got != want)
-    r, c = where[0]
-    raise AssertionError(
-        f"{what}: {len(where)} of {got.size} elements differ; first at [{r}, {c}]: got {got[r, c]:#010x} "
-        f"({got.view(np.float32)[r, c]!r}), want {want[r, c]:#010x} ({want.view(np.float32)[r, c]!r})"
-    )
 
 
 def make_weights(codebook: str, n: int, k: int, rng: np.random.Generator) -> layout.PackedWeights:
@@ -77,8 +60,7 @@ def run(cp, stream, cand, weights, x_np, *, qact=None):
     return cp.asnumpy(out)
 
 
-@pytest.mark.parametrize("codebook", CODEBOOKS)
-def test_activation_kernel_matches_emulator(cp, stream, codebook):
+def test_activation_kernel_matches_emulator(cp, stream):
     from kernels import launch
 
     rng = np.random.default_rng()
@@ -110,18 +92,18 @@ def test_candidates_equal_emulator_and_serial_m1(cp, stream, codebook, n, k, m_s
     for cand in cands:
         s = cand.ksplit
         if s not in expected:
-            expected[s] = bits(emulate.gemv_quantized(packed, qa, s))
-        serial = np.stack([bits(run(cp, stream, cand, weights, x[r : r + 1]))[0] for r in range(m_max)])
+            expected[s] = emulate.gemv_quantized(packed, qa, s)
+        serial = np.stack([run(cp, stream, cand, weights, x[r : r + 1])[0] for r in range(m_max)])
         assert_same_bits(serial, expected[s], f"{codebook} {cand.id} serial M=1 vs emulator")
         for m in m_set:
             if cand.valid(m, n, k):
                 grouped = run(cp, stream, cand, weights, x[:m])
                 assert_same_bits(grouped, serial[:m], f"{cand.id} M={m} grouped vs serial")
-        again = bits(run(cp, stream, cand, weights, x))
+        again = run(cp, stream, cand, weights, x)
         assert_same_bits(again, serial, f"{cand.id} repeated launch")
         perm = rng.permutation(m_max)
         assert_same_bits(run(cp, stream, cand, weights, x[perm]), serial[perm], f"{cand.id} row permutation")
-        assert not (again == POISON).any()
+        assert not (bits(again) == POISON).any()
 
 
 def test_negative_control_identities_differ(cp, stream):
@@ -164,6 +146,12 @@ def test_bad_launches_are_refused(cp, stream):
         launch.gemv(CANDIDATES[0], weights, row_major, out, stream)
     with pytest.raises(InputError, match="empty_activations"):
         launch.quantize_activations(x, stream, out=row_major)
+    # bind: one matrix in every copy, and at least one copy.
+    other = launch.to_device(make_weights("Q8_0", 64, 512, rng))
+    with pytest.raises(InputError, match="share one codebook and shape"):
+        launch.bind(CANDIDATES[0], [weights, other], qact, out, stream)
+    with pytest.raises(InputError, match="at least one"):
+        launch.bind(CANDIDATES[0], [], qact, out, stream)
     # The mma engine needs whole 8-output tiles.
     narrow = launch.to_device(make_weights("Q8_0", 60, 256, rng))
     mma = next(c for c in CANDIDATES if c.engine == "mma" and c.family == "wide")
