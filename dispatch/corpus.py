@@ -188,12 +188,12 @@ class Record:
 def _combine(records: Iterable[Record]) -> list[Record]:
     """Sorted, one record per (cell, candidate, provenance); of duplicates the smallest JSON wins, so
     the result does not depend on which shard came first."""
-    chosen: dict[tuple[Cell, str, str], Record] = {}
+    chosen: dict[tuple[Cell, str, str], tuple[str, Record]] = {}
     for r in records:
-        old = chosen.get(r.ident)
-        if old is None or r.to_json() < old.to_json():
-            chosen[r.ident] = r
-    return [chosen[i] for i in sorted(chosen)]
+        text, old = r.to_json(), chosen.get(r.ident)
+        if old is None or text < old[0]:
+            chosen[r.ident] = (text, r)
+    return [chosen[i][1] for i in sorted(chosen)]
 
 
 def gpu_slug(name: str) -> str:
@@ -303,8 +303,8 @@ def _shard_bytes(provenance: Provenance, records: list[Record]) -> bytes:
     return (_canonical(header) + "\n" + "".join(r.to_json() + "\n" for r in records)).encode()
 
 
-def _shard_name(provenance: Provenance, data: bytes) -> str:
-    return f"{provenance.key}-{_sha256(data)[:16]}.jsonl"
+def _shard_name(provenance: Provenance, sha256: str) -> str:
+    return f"{provenance.key}-{sha256[:16]}.jsonl"
 
 
 def _parse_shard(path: Path, data: bytes) -> Shard:
@@ -365,18 +365,15 @@ def init(folder: Path) -> None:
             _write_manifest(folder, Manifest({}))
 
 
-def _commit(
-    folder: Path, provenance: Provenance, records: list[Record], manifest: Manifest
-) -> tuple[str, Manifest]:
-    """Write one shard (unless present: same name, same bytes) and the manifest listing it; lock held."""
+def _write_shard_file(folder: Path, provenance: Provenance, records: list[Record]) -> tuple[str, ShardEntry]:
+    """Write one shard file (unless present: same name, same bytes), not yet listed; lock held."""
     data = _shard_bytes(provenance, records)
-    name = _shard_name(provenance, data)
+    sha = _sha256(data)
+    name = _shard_name(provenance, sha)
     path = folder / SHARDS / name
     if not path.exists():
         _write_atomic(path, data)
-    manifest = Manifest({**manifest.shards, name: ShardEntry(_sha256(data), len(records))}, manifest.retired)
-    _write_manifest(folder, manifest)
-    return name, manifest
+    return name, ShardEntry(sha, len(records))
 
 
 def write_shard(folder: Path, provenance: Provenance, records: Iterable[Record]) -> str:
@@ -387,32 +384,39 @@ def write_shard(folder: Path, provenance: Provenance, records: Iterable[Record])
     if any(r.provenance != provenance.key for r in records):
         raise ValueError(f"every record of a shard must refer to provenance {provenance.key}")
     with _locked(folder):
-        name, _ = _commit(folder, provenance, records, _read_manifest(folder))
+        name, entry = _write_shard_file(folder, provenance, records)
+        manifest = _read_manifest(folder)
+        _write_manifest(folder, Manifest({**manifest.shards, name: entry}, manifest.retired))
     return name
 
 
 def recover(folder: Path) -> list[str]:
     """Finish what an interrupted writer left; returns one line per action taken (see module docstring)."""
-    actions: list[str] = []
     _require(folder)
     with _locked(folder):
-        manifest = _read_manifest(folder)
-        shards = folder / SHARDS
-        for tmp in sorted(shards.glob(".*.tmp")):  # writers hold the lock, so no temp is in progress
-            tmp.unlink()
-            actions.append(f"removed unfinished temp file {tmp.name}")
-        files = _shard_files(folder)
-        for name in sorted(set(manifest.retired) & files):
-            (shards / name).unlink()
-            actions.append(f"removed compacted shard {name}")
-        adopted = dict(manifest.shards)
-        for name in sorted(files - set(manifest.shards) - set(manifest.retired)):
-            data = (shards / name).read_bytes()
-            shard = _parse_shard(shards / name, data)  # renamed only when complete, but check anyway
-            adopted[name] = ShardEntry(_sha256(data), len(shard.records))
-            actions.append(f"adopted shard {name} written before an interruption")
-        if actions or manifest.retired:
-            _write_manifest(folder, Manifest(adopted))
+        return _recover(folder)
+
+
+def _recover(folder: Path) -> list[str]:
+    """recover() with the lock held."""
+    actions: list[str] = []
+    manifest = _read_manifest(folder)
+    shards = folder / SHARDS
+    for tmp in sorted(shards.glob(".*.tmp")):  # writers hold the lock, so no temp is in progress
+        tmp.unlink()
+        actions.append(f"removed unfinished temp file {tmp.name}")
+    files = _shard_files(folder)
+    for name in sorted(set(manifest.retired) & files):
+        (shards / name).unlink()
+        actions.append(f"removed compacted shard {name}")
+    adopted = dict(manifest.shards)
+    for name in sorted(files - set(manifest.shards) - set(manifest.retired)):
+        data = (shards / name).read_bytes()
+        shard = _parse_shard(shards / name, data)  # renamed only when complete, but check anyway
+        adopted[name] = ShardEntry(_sha256(data), len(shard.records))
+        actions.append(f"adopted shard {name} written before an interruption")
+    if actions or manifest.retired:
+        _write_manifest(folder, Manifest(adopted))
     return actions
 
 
@@ -422,24 +426,22 @@ def compact(folder: Path) -> tuple[int, int]:
     Order: write the merged shards, then the manifest listing them with the old ones `retired`, then delete
     the old files and clear `retired`. A crash at any point leaves a corpus that loads the same records."""
     folder = Path(folder)
-    recover(folder)
-    corpus = load(folder)
-    with _locked(folder):
-        manifest = _read_manifest(folder)
-        by_key: dict[str, list[str]] = {}
-        for shard in corpus.shards:
-            by_key.setdefault(shard.provenance.key, []).append(shard.name)
-        retired: list[str] = []
-        for key, names in sorted(by_key.items()):
-            records = [r for r in corpus.records if r.provenance == key]
-            name, manifest = _commit(folder, corpus.provenances[key], records, manifest)
-            retired += [old for old in names if old != name]
-        kept = {n: e for n, e in manifest.shards.items() if n not in retired}
-        _write_manifest(folder, Manifest(kept, tuple(retired)))
+    _require(folder)
+    with _locked(folder):  # one exclusive hold: a concurrent compaction cannot retire the same shards
+        _recover(folder)
+        manifest, shards = _read_shards(folder)
+        corpus = _verified(folder, shards)
+        records: dict[str, list[Record]] = {}
+        for r in corpus.records:
+            records.setdefault(r.provenance, []).append(r)
+        merged = dict(_write_shard_file(folder, corpus.provenances[key], recs) for key, recs in sorted(records.items()))
+        retired = tuple(s.name for s in shards if s.name not in merged)
+        kept = {**{n: e for n, e in manifest.shards.items() if n not in retired}, **merged}
+        _write_manifest(folder, Manifest(kept, retired))
         for name in retired:
             (folder / SHARDS / name).unlink()
         _write_manifest(folder, Manifest(kept))
-    return len(corpus.shards), len(kept)
+    return len(shards), len(kept)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -479,17 +481,27 @@ def load(folder: str | os.PathLike[str], *, kernel_digest: str | None = None, gp
     folder = Path(folder)
     _require(folder)
     with _locked(folder, shared=True):
-        manifest = _read_manifest(folder)
-        files = _shard_files(folder)
-        unlisted = sorted(files - set(manifest.shards) - set(manifest.retired))
-        if unlisted:
-            raise InputError(f"{folder / SHARDS / unlisted[0]}: shard is not in the manifest (left by an "
-                             "interrupted write? `gemv-dispatch corpus compact` adopts complete ones)")
-        absent = sorted(set(manifest.shards) - files)
-        if absent:
-            raise InputError(f"{folder / SHARDS / absent[0]}: listed in the manifest but missing")
-        shards = tuple(_read_shard(folder / SHARDS / n, manifest.shards[n]) for n in sorted(manifest.shards))
+        _, shards = _read_shards(folder)
+    return _verified(folder, shards, kernel_digest=kernel_digest, gpu_uuid=gpu_uuid, gpu_name=gpu_name)
 
+
+def _read_shards(folder: Path) -> tuple[Manifest, tuple[Shard, ...]]:
+    """The manifest and every listed shard, each checked against it; a lock held."""
+    manifest = _read_manifest(folder)
+    files = _shard_files(folder)
+    unlisted = sorted(files - set(manifest.shards) - set(manifest.retired))
+    if unlisted:
+        raise InputError(f"{folder / SHARDS / unlisted[0]}: shard is not in the manifest (left by an "
+                         "interrupted write? `gemv-dispatch corpus compact` adopts complete ones)")
+    absent = sorted(set(manifest.shards) - files)
+    if absent:
+        raise InputError(f"{folder / SHARDS / absent[0]}: listed in the manifest but missing")
+    return manifest, tuple(_read_shard(folder / SHARDS / n, manifest.shards[n]) for n in sorted(manifest.shards))
+
+
+def _verified(folder: Path, shards: tuple[Shard, ...], *, kernel_digest: str | None = None,
+              gpu_uuid: str | None = None, gpu_name: str | None = None) -> Corpus:
+    """The corpus of these shards, refusing a mix of GPU models or kernel sources (see `load`)."""
     expect = {"gpu_name": gpu_name, "kernel_digest": kernel_digest, "gpu_uuid": gpu_uuid}
     for field in ("gpu_name", "kernel_digest"):  # a folder holds one GPU model and one kernel source
         if expect[field] is None and shards:
