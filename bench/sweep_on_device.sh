@@ -9,4 +9,4 @@ codebooks=${1:?codebooks, e.g. Q4_0,Q8_0,Q4_1}
 start=$(date +%s)
 timeout -s KILL 560 python3 -m dispatch.cli sweep --codebooks "$codebooks" --json > "$OUT/sweep.json" 2> "$OUT/sweep.log"
 echo "sweep rc=$? wall=$(( $(date +%s) - start ))s"; cat "$OUT/sweep.json"; tail -c 300 "$OUT/sweep.log"; echo
-tar czf "$OUT/corpus.tgz" corpus/nvidia-h200
+tar czf "$OUT/corpus.tgz" corpus/  # whichever GPU folder the sweep wrote

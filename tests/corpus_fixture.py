@@ -62,16 +62,23 @@ def fake_records(cell: Cell, provenance: Provenance) -> list[Record]:
             for c in candidates_for(cell.m, cell.n, cell.k)]
 
 
-def build_corpus(root: Path, provenance: Provenance | None = None, **plan: Iterable) -> Path:
-    """Write one shard per cell (as a sweep does) into root/<gpu-slug>/, compact, return the folder.
-    `plan` may override geometries, codebooks, ms, modes (see `cells`)."""
+def build_corpus(root: Path, provenance: Provenance | None = None, *, compact: bool = True,
+                 **plan: Iterable) -> Path:
+    """Write one shard per cell (as a sweep does) into root/<gpu-slug>/, compact unless told not to, return
+    the folder. `plan` may override geometries, codebooks, ms, modes (see `cells`)."""
     provenance = provenance or fake_provenance()
     folder = Path(root) / gpu_slug(provenance.gpu_name)
     corpus.init(folder)
     for cell in cells(**plan):
         corpus.write_shard(folder, provenance, fake_records(cell, provenance))
-    corpus.compact(folder)
+    if compact:
+        corpus.compact(folder)
     return folder
+
+
+def tree(folder: Path) -> dict[str, bytes]:
+    """Every file under folder, by relative path: what two corpora must agree on byte for byte."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 def write_shapes(path: Path, geometries: Iterable[tuple[int, int]] = GEOMETRIES) -> Path:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from bitcheck import assert_same_bits
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -22,11 +23,6 @@ KV = np.array(cb.IQ4_NL_KVALUES, dtype=np.float64)
 # Hypothesis budgets: bit-exact comparisons are cheap, so the examples go to variety, not size.
 FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 shapes = st.tuples(st.integers(1, 40), st.integers(1, 8))  # (N, KB)
-
-
-def bits(a: np.ndarray) -> np.ndarray:
-    """float32 bit patterns: compares +0/-0 and NaN payloads exactly."""
-    return np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -225,7 +221,7 @@ def test_dequantize_bit_exact_random_bytes(name, shape, seed):
     blocks = random_blocks(name, n, kb, seed)
     got = cb.dequantize(name, blocks, kb * 32)
     assert got.dtype == np.float32 and got.shape == (n, kb * 32)
-    np.testing.assert_array_equal(bits(got), bits(gq.dequantize(blocks, GGMLType[name])))
+    assert_same_bits(got, gq.dequantize(blocks, GGMLType[name]))
 
 
 @pytest.mark.parametrize("name", cb.CODEBOOKS)
@@ -239,7 +235,7 @@ def test_dequantize_bit_exact_quantized(name, shape, seed):
     with np.errstate(all="ignore"):
         blocks = gq.quantize(w, GGMLType[name]) if name in GGUF_QUANTIZABLE else cb.quantize(name, w)
         ref = gq.dequantize(blocks, GGMLType[name])
-    np.testing.assert_array_equal(bits(cb.dequantize(name, blocks, kb * 32)), bits(ref))
+    assert_same_bits(cb.dequantize(name, blocks, kb * 32), ref)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -273,7 +269,7 @@ def test_block_fields_ranges_and_dequantize(name, shape, seed):
         w = w + f.min[:, :, None]
     else:
         assert f.min is None
-    np.testing.assert_array_equal(bits(w.reshape(n, -1)), bits(cb.dequantize(name, blocks, kb * 32)))
+    assert_same_bits(w.reshape(n, -1), cb.dequantize(name, blocks, kb * 32))
 
 
 def _hand_block(name: str, raw: list[int]) -> np.ndarray:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from corpus_fixture import FAKE_GPU, build_corpus, cells, fake_provenance, fake_records
+from corpus_fixture import FAKE_GPU, build_corpus, cells, fake_provenance, fake_records, tree
 
 from dispatch import corpus
 from dispatch.cli import main
@@ -19,11 +19,6 @@ from dispatch.timing import TimingConfig
 from kernels.errors import InputError
 
 PROV = fake_provenance()
-
-
-def tree(folder: Path) -> dict[str, bytes]:
-    """Every file under folder, by relative path: what two corpora must agree on byte for byte."""
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 def shard_paths(folder: Path) -> list[Path]:
@@ -262,9 +257,7 @@ def test_recover_refuses_a_broken_orphan_by_name(tmp_path):
 
 
 def test_a_crash_inside_compaction_loses_nothing(tmp_path, monkeypatch):
-    folder = new_folder(tmp_path)
-    for cell in cells():
-        write_shard(folder, PROV, fake_records(cell, PROV))
+    folder = build_corpus(tmp_path, PROV, compact=False)
     records = load(folder).records
 
     def crash(self: Path) -> None:
@@ -284,9 +277,7 @@ def test_a_crash_inside_compaction_loses_nothing(tmp_path, monkeypatch):
 # --- CLI ----------------------------------------------------------------------------------------------
 
 def test_corpus_check_and_compact_cli(tmp_path):
-    folder = new_folder(tmp_path)
-    for cell in cells():
-        write_shard(folder, PROV, fake_records(cell, PROV))
+    folder = build_corpus(tmp_path, PROV, compact=False)
     runner = CliRunner()
     result = runner.invoke(main, ["corpus", "check", str(folder), "--json"])
     assert result.exit_code == 0, result.output

@@ -20,6 +20,7 @@ import struct
 
 import numpy as np
 import pytest
+from bitcheck import assert_same_bits, bits
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -38,16 +39,15 @@ CANONICAL_NAN = np.uint32(0x7FFFFFFF).view(np.float32)  # the NaN every PTX floa
 SLOW_OK = [HealthCheck.too_slow, HealthCheck.data_too_large]
 
 
-def u32(a: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
-
-
-def assert_same_bytes(got: np.ndarray, want: np.ndarray) -> None:
-    assert got.dtype == np.float32 and got.shape == want.shape
-    bad = np.argwhere(u32(got) != u32(want))
-    if bad.size:
-        at = tuple(bad[0])
-        pytest.fail(f"{len(bad)} elements differ, first at {list(at)}: {got[at]!r} vs {want[at]!r}")
+def test_bit_comparison_tells_signed_zeros_and_nan_payloads_apart():
+    """Negative control for every byte-equality check here: values that compare equal as floats differ."""
+    with pytest.raises(AssertionError, match="1 of 2 elements differ"):
+        assert_same_bits(np.array([0.0, 1.0], F), np.array([-0.0, 1.0], F))
+    nan = np.array([0x7FFFFFFF, 0x7FC00000], np.uint32).view(F)
+    with pytest.raises(AssertionError, match="first at \\[0\\]"):
+        assert_same_bits(nan[:1], nan[1:])
+    with pytest.raises(AssertionError, match="expected float32"):
+        bits(np.zeros(2))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -211,7 +211,7 @@ def test_scalar_decoder_matches_gguf_dequantize(codebook):
                     v = d * F(c)
                     ours[row, b * 32 + j] = v if m is None else v + m
     theirs = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[codebook]).astype(np.float32)
-    assert_same_bytes(ours, theirs.reshape(7, 160))
+    assert_same_bits(ours, theirs.reshape(7, 160))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -232,7 +232,7 @@ def test_gemv_matches_scalar_reference(data):
 
     with np.errstate(all="ignore"):  # subnormal and tiny products are part of the test
         got = emulate.gemv(packed, x, ksplit)
-    assert_same_bytes(got, scalar_gemv(codebook, blocks, x, ksplit))
+    assert_same_bits(got, scalar_gemv(codebook, blocks, x, ksplit))
 
 
 @pytest.mark.parametrize("codebook", ALL)
@@ -245,7 +245,7 @@ def test_gemv_matches_scalar_reference_at_the_largest_shape(codebook, kind):
     x[2, 40:70] = -0.0
     with np.errstate(all="ignore"):
         for ksplit in (1, 2, 4, 5, 12):  # S = 1, 2, 3, 5, 9
-            assert_same_bytes(emulate.gemv(packed, x, ksplit), scalar_gemv(codebook, blocks, x, ksplit))
+            assert_same_bits(emulate.gemv(packed, x, ksplit), scalar_gemv(codebook, blocks, x, ksplit))
 
 
 @pytest.mark.parametrize("codebook", ALL)
@@ -254,7 +254,7 @@ def test_gemv_matches_scalar_reference_on_every_split_of_one_shape(codebook):
     blocks, packed = packed_weights(codebook, 3, kb, seed=4, kind="bytes")
     x = gaussian_x(2, kb, seed=5)
     for ksplit in range(1, kb + 2):
-        assert_same_bytes(emulate.gemv(packed, x, ksplit), scalar_gemv(codebook, blocks, x, ksplit))
+        assert_same_bits(emulate.gemv(packed, x, ksplit), scalar_gemv(codebook, blocks, x, ksplit))
 
 
 @pytest.mark.parametrize("codebook", ALL)
@@ -263,7 +263,7 @@ def test_gemv_quantized_is_gemv_after_quantize_activations(codebook):
     x = gaussian_x(3, 6, seed=3)
     qa = emulate.quantize_activations(x)
     for ksplit in (1, 2, 6):
-        assert_same_bytes(emulate.gemv_quantized(packed, qa, ksplit), emulate.gemv(packed, x, ksplit))
+        assert_same_bits(emulate.gemv_quantized(packed, qa, ksplit), emulate.gemv(packed, x, ksplit))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -303,7 +303,7 @@ def test_ksplits_with_the_same_effective_split_give_identical_bytes(codebook):
         for group in equal_split_groups(kb, kb + 3):
             first = emulate.gemv(packed, x, group[0])
             for ksplit in group[1:]:
-                assert_same_bytes(emulate.gemv(packed, x, ksplit), first)
+                assert_same_bits(emulate.gemv(packed, x, ksplit), first)
                 checked += 1
     assert checked >= 20  # the groups are real: e.g. KB=10: ksplit 5..9 all give S=5
 
@@ -320,7 +320,7 @@ def test_different_effective_splits_give_different_bytes(codebook):
         _, packed = packed_weights(codebook, 32, kb, seed=seed)
         x = gaussian_x(4, kb, seed=50 + seed)
         for s in splits:
-            results[s].append(u32(emulate.gemv(packed, x, s)))
+            results[s].append(bits(emulate.gemv(packed, x, s)))
     for s1, s2 in itertools.combinations(splits, 2):
         differ = sum(int((a != b).sum()) for a, b in zip(results[s1], results[s2], strict=True))
         if (s1, s2) == (1, kb):
@@ -340,7 +340,7 @@ def test_split_into_single_blocks_is_the_same_identity_as_no_split(codebook, kb,
     x = gaussian_x(3, kb, seed + 1)
     x[0, : 32 * ((kb + 1) // 2)] = -0.0  # -0 terms
     with np.errstate(all="ignore"):
-        assert_same_bytes(emulate.gemv(packed, x, kb), emulate.gemv(packed, x, 1))
+        assert_same_bits(emulate.gemv(packed, x, kb), emulate.gemv(packed, x, 1))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -360,18 +360,18 @@ def test_each_output_row_depends_only_on_its_input_row(codebook, ksplit):
     with np.errstate(all="ignore"):
         y = emulate.gemv(packed, x, ksplit)
         for r in range(x.shape[0]):
-            assert_same_bytes(emulate.gemv(packed, x[r : r + 1], ksplit), y[r : r + 1])
+            assert_same_bits(emulate.gemv(packed, x[r : r + 1], ksplit), y[r : r + 1])
         # Row order: a permutation of the rows permutes the outputs exactly.
         perm = rng.permutation(x.shape[0])
-        assert_same_bytes(emulate.gemv(packed, x[perm], ksplit), y[perm])
+        assert_same_bits(emulate.gemv(packed, x[perm], ksplit), y[perm])
         # M: any subset of rows, in any order and with repeats, gives the same rows.
         for m in (1, 2, 5, 16, 31, 40):
             pick = rng.integers(0, x.shape[0], size=m)
-            assert_same_bytes(emulate.gemv(packed, x[pick], ksplit), y[pick])
+            assert_same_bits(emulate.gemv(packed, x[pick], ksplit), y[pick])
         # Neighbours do not matter: the same row among different rows.
         other = gaussian_x(7, kb, seed=11, scale=1e6)
         other[2] = x[0]
-        assert_same_bytes(emulate.gemv(packed, other, ksplit)[2], y[0])
+        assert_same_bits(emulate.gemv(packed, other, ksplit)[2], y[0])
 
 
 def test_quantize_activations_is_row_and_block_local():
@@ -380,12 +380,12 @@ def test_quantize_activations_is_row_and_block_local():
     for r in range(6):
         one = emulate.quantize_activations(x[r : r + 1])
         assert np.array_equal(one.q[0], qa.q[r])
-        assert np.array_equal(u32(one.d[0]), u32(qa.d[r]))
+        assert np.array_equal(bits(one.d[0]), bits(qa.d[r]))
         assert np.array_equal(one.sum[0], qa.sum[r])
         for b in range(5):  # a block is quantized on its own, wherever it sits
             alone = emulate.quantize_activations(x[r : r + 1, b * 32 : (b + 1) * 32])
             assert np.array_equal(alone.q[0, 0], qa.q[r, b])
-            assert u32(alone.d)[0, 0] == u32(qa.d)[r, b]
+            assert bits(alone.d)[0, 0] == bits(qa.d)[r, b]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -446,6 +446,9 @@ def adversarial_blocks() -> dict[str, np.ndarray]:
 
 
 ADVERSARIAL = adversarial_blocks()
+# The adversarial blocks four to a row (whole rows only): activations [rows, 128] for the GEMV tests.
+_BLOCKS = list(ADVERSARIAL.values())
+ADVERSARIAL_ROWS = np.stack([np.concatenate(_BLOCKS[i : i + 4]) for i in range(0, len(_BLOCKS) - 3, 4)])
 
 
 @pytest.mark.parametrize("name", list(ADVERSARIAL))
@@ -459,7 +462,7 @@ def test_quantize_activations_adversarial_blocks_follow_the_contract(name):
         assert qa.q.shape == (1, x.shape[1] // 32, 32) and qa.d.shape == qa.sum.shape == (1, x.shape[1] // 32)
         q, d, s = scalar_quantize_block([block[j] for j in range(32)])
         assert qa.q[0, b].tolist() == q
-        assert u32(qa.d)[0, b] == u32(np.array([d]))[0], (qa.d[0, b], d)
+        assert bits(qa.d)[0, b] == bits(np.array([d]))[0], (qa.d[0, b], d)
         assert int(qa.sum[0, b]) == s == sum(qa.q[0, b].tolist())
         assert np.abs(qa.q).max() <= 127
 
@@ -472,7 +475,7 @@ def test_quantize_activations_known_values():
     # All-zero blocks, either sign: q = 0, d = +0, sum = 0.
     for values in ([0.0], [-0.0], [0.0, -0.0]):
         q, d, s = quant(values)
-        assert not q.any() and s == 0 and u32(np.array([d]))[0] == 0
+        assert not q.any() and s == 0 and bits(np.array([d]))[0] == 0
     # amax tiny enough that amax/127 underflows to 0: every q is 0 although the block is not zero.
     q, d, s = quant([63 * TINY, -63 * TINY, TINY])
     assert d == 0 and not q.any() and s == 0
@@ -506,14 +509,13 @@ def test_quantize_activations_matches_scalar_reference_on_any_finite_input(x):
     for r, row in enumerate(scalar_quantize(x)):
         for b, (q, d, s) in enumerate(row):
             assert qa.q[r, b].tolist() == q
-            assert u32(qa.d)[r, b] == u32(np.array([d]))[0]
+            assert bits(qa.d)[r, b] == bits(np.array([d]))[0]
             assert int(qa.sum[r, b]) == s
 
 
 @pytest.mark.parametrize("codebook", ALL)
 def test_gemv_matches_scalar_reference_on_adversarial_activations(codebook):
-    blocks_ = list(ADVERSARIAL.values())
-    x = np.stack([np.concatenate(blocks_[i : i + 4]) for i in range(0, len(blocks_) - 3, 4)])
+    x = ADVERSARIAL_ROWS
     kb = x.shape[1] // 32
     # Small Gaussian weights keep the 3e38 rows finite; "bytes" weights bring subnormal and huge scales (and
     # with them fp32 overflow to inf and inf - inf = nan, which must also agree bit for bit).
@@ -524,7 +526,7 @@ def test_gemv_matches_scalar_reference_on_adversarial_activations(codebook):
             with np.errstate(all="ignore"):
                 got = emulate.gemv(packed, x, ksplit)
             want = scalar_gemv(codebook, blocks, x, ksplit)
-            assert_same_bytes(got, want)
+            assert_same_bits(got, want)
 
 
 def test_overflow_gives_inf_and_the_canonical_nan():
@@ -538,8 +540,8 @@ def test_overflow_gives_inf_and_the_canonical_nan():
     with np.errstate(all="ignore"):
         y = emulate.gemv(packed, x)
     assert np.isnan(y).any() and np.isinf(y).any()
-    assert (u32(y)[np.isnan(y)] == 0x7FFFFFFF).all()
-    assert_same_bytes(y, scalar_gemv("Q8_0", blocks, x, 1))
+    assert (bits(y)[np.isnan(y)] == 0x7FFFFFFF).all()
+    assert_same_bits(y, scalar_gemv("Q8_0", blocks, x, 1))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -661,8 +663,7 @@ def test_error_bound_holds_on_small_gaussian_shapes(codebook):
 def test_error_bound_holds_on_adversarial_data(codebook):
     """Zeros, ±0, subnormal activations (d underflow and clamp), exact ties, outliers, values near the fp32
     maximum (with weights small enough that the fp32 result cannot overflow), random finite fp16 scales."""
-    blocks_ = list(ADVERSARIAL.values())
-    x = np.stack([np.concatenate(blocks_[i : i + 4]) for i in range(0, len(blocks_) - 3, 4)])
+    x = ADVERSARIAL_ROWS
     kb = x.shape[1] // 32
     rng = np.random.default_rng(23)
     w = rng.standard_normal((8, kb * 32)).astype(np.float32)

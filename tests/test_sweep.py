@@ -13,8 +13,16 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from corpus_fixture import FAKE_GPU, GEOMETRIES, build_corpus, cells, fake_provenance, fake_records, write_shapes
-from test_corpus import tree
+from corpus_fixture import (
+    FAKE_GPU,
+    GEOMETRIES,
+    build_corpus,
+    cells,
+    fake_provenance,
+    fake_records,
+    tree,
+    write_shapes,
+)
 
 from dispatch.cli import main
 from dispatch.corpus import MANIFEST, Cell, gpu_slug, load, write_shard
@@ -46,6 +54,15 @@ def sweep_args(source: Path, shapes: Path, root: Path, *extra: str) -> list[str]
 
 def invoke(*args: str) -> object:
     return CliRunner().invoke(main, list(args))
+
+
+@pytest.fixture(scope="module")
+def clean_sweep(source, shapes, tmp_path_factory) -> dict[str, bytes]:
+    """The corpus files of one uninterrupted one-process replay sweep: what every other run must equal."""
+    root = tmp_path_factory.mktemp("clean")
+    result = invoke(*sweep_args(source, shapes, root))
+    assert result.exit_code == 0, result.output
+    return tree(root / SLUG)
 
 
 # --- plans --------------------------------------------------------------------------------------------
@@ -152,10 +169,7 @@ def listed_shards(folder: Path) -> int:
         return 0
 
 
-def test_sigkill_mid_sweep_then_rerun_loses_and_duplicates_nothing(source, shapes, tmp_path):
-    clean = tmp_path / "clean"
-    assert invoke(*sweep_args(source, shapes, clean)).exit_code == 0
-
+def test_sigkill_mid_sweep_then_rerun_loses_and_duplicates_nothing(source, shapes, clean_sweep, tmp_path):
     killed = tmp_path / "killed"
     child = cli(*sweep_args(source, shapes, killed, "--replay-delay", "0.2"))
     deadline = time.monotonic() + 60
@@ -171,17 +185,16 @@ def test_sigkill_mid_sweep_then_rerun_loses_and_duplicates_nothing(source, shape
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout)
     assert summary["skipped"] >= done and summary["timed"] + summary["skipped"] == len(cells())
-    assert tree(killed / SLUG) == tree(clean / SLUG)
+    assert tree(killed / SLUG) == clean_sweep
 
 
-def test_devices_with_replay_give_the_same_corpus_as_one_device(source, shapes, tmp_path):
-    single, multi = tmp_path / "single", tmp_path / "multi"
-    assert invoke(*sweep_args(source, shapes, single)).exit_code == 0
+def test_devices_with_replay_give_the_same_corpus_as_one_device(source, shapes, clean_sweep, tmp_path):
+    multi = tmp_path / "multi"
     result = invoke(*sweep_args(source, shapes, multi, "--devices", "0,1", "--json"))
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout)
     assert summary["timed"] == len(cells()) and summary["folders"] == [str(multi.resolve() / SLUG)]
-    assert tree(multi / SLUG) == tree(single / SLUG)
+    assert tree(multi / SLUG) == clean_sweep
 
 
 def test_a_failing_device_child_is_reported(tmp_path, shapes):

@@ -161,7 +161,7 @@ def test_cold_replays_are_whole_rotations_covering_all_copies(mode: str) -> None
     cfg = TimingConfig(mode=mode, max_rounds=6)
     out = time_candidates(launches, 7, cfg, backend=backend)
     for name in launches:
-        timed = [w for w in backend.windows if w.launch.name == name][-1]
+        timed = backend.timed_window(name)
         assert out[name].replays % 7 == 0 and out[name].replays >= 7 and timed.replays == out[name].replays
         counts = Counter(timed.rotation)
         assert set(counts) == set(range(7))
