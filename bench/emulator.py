@@ -15,16 +15,12 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from kernels import emulate
-from kernels.codebooks import CODEBOOKS, get, quantize
-from kernels.errors import BLOCK, InputError
-from kernels.layout import pack
+from gemv_dispatch.kernels import emulate
+from gemv_dispatch.kernels.codebooks import CODEBOOKS, get, quantize
+from gemv_dispatch.kernels.errors import BLOCK, InputError
+from gemv_dispatch.kernels.layout import pack
 
 GOAL_S = 2.0
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -21,13 +20,10 @@ from typing import Any
 
 import cupy as cp
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from dispatch.sweep import GpuTimer, sweep_timing
-from dispatch.timing import CupyBackend, Launch, Rotation, Stats, copies_for_cold_l2, time_candidates
-from kernels.codebooks import CODEBOOKS, get
-from kernels.registry import by_id, candidates_for
+from gemv_dispatch.dispatch.sweep import GpuTimer, sweep_timing
+from gemv_dispatch.dispatch.timing import CupyBackend, Launch, Rotation, Stats, copies_for_cold_l2, time_candidates
+from gemv_dispatch.kernels.codebooks import CODEBOOKS, get
+from gemv_dispatch.kernels.registry import by_id, candidates_for
 
 ANCHORS = [(4096, 4096), (14336, 4096), (4096, 14336), (5120, 5120), (27648, 5120), (5120, 27648),
            (151936, 4096), (1024, 4096), (512, 2048)]

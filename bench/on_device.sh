@@ -2,11 +2,7 @@
 # One device call for the kernel issue: GPU tests, the harness-vs-ncu check, the kernel benchmark.
 #   bash bench/on_device.sh        (results under $OUT; copy them to bench/results/)
 set -uo pipefail
-export PYTHONUNBUFFERED=1
-if compgen -G ".whl/*.whl" >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        && export PYTHONPATH=/tmp/site
-fi
+source bench/device_env.sh
 export PATH="$PATH:/usr/local/cuda/bin:$(dirname "$(ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)" 2>/dev/null)"
 nvidia-smi --query-gpu=name,uuid,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider --tb=short -W ignore tests 2>&1 > "$OUT/gpu-tests.log"

@@ -10,14 +10,10 @@ profiler's own cache control makes every launch cold). Diagnosis only: nothing h
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import cupy as cp
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from kernels import launch
-from kernels.registry import by_id
+from gemv_dispatch.kernels import launch
+from gemv_dispatch.kernels.registry import by_id
 
 
 def launch_cells(cells: list[tuple[str, int, int, int, str]], repeats: int = 3) -> None:

@@ -23,13 +23,9 @@ from dataclasses import replace
 from pathlib import Path
 
 import cupy as cp
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from gemv_dispatch.dispatch.sweep import GpuTimer, sweep_timing
+from gemv_dispatch.kernels.registry import by_id
 from profile_candidates import launch_cells  # bench/, this script's own folder
-
-from dispatch.sweep import GpuTimer, sweep_timing
-from kernels.registry import by_id
 
 # (codebook, M, N, K, candidate): about 10, 30 and 90 microseconds on an H200.
 CASES = [("Q4_0", 1, 14336, 4096, "direct.s8.t32.c1"), ("Q4_0", 1, 27648, 5120, "direct.s4.t64.c1"),

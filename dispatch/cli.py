@@ -10,9 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import click
-
-from dispatch.sweep import DEFAULT_CODEBOOKS, DEFAULT_MODES, DEFAULT_MS
-from kernels.errors import InputError
+from gemv_dispatch.dispatch.sweep import DEFAULT_CODEBOOKS, DEFAULT_MODES, DEFAULT_MS
+from gemv_dispatch.kernels.errors import InputError
 
 
 def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -39,7 +38,7 @@ def main() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 def info(as_json: bool) -> None:
     """Show versions, the visible CUDA device (name, SMs, L2), nvcc and the supported codebooks."""
-    from dispatch.environment import describe
+    from gemv_dispatch.dispatch.environment import describe
 
     report = describe()
     if as_json:
@@ -62,7 +61,7 @@ def shapes_list(sources: tuple[Path, ...], as_json: bool) -> None:
     """List inventories (default: corpus/shapes/): model, family, #shapes, #unique (N, K) geometries.
 
     SOURCES are inventory JSON files or directories of them; every file is validated."""
-    from dispatch.shapes import default_inventory_dir, load_inventories
+    from gemv_dispatch.dispatch.shapes import default_inventory_dir, load_inventories
 
     inventories = load_inventories(sources or default_inventory_dir())
     if as_json:
@@ -85,7 +84,7 @@ def shapes_from_gguf(model: Path, output: Path | None, as_json: bool) -> None:
     across layers; the name comes from general.name, the family from general.architecture."""
     import warnings
 
-    from dispatch.shapes import from_gguf, write_inventory
+    from gemv_dispatch.dispatch.shapes import from_gguf, write_inventory
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -134,9 +133,9 @@ def sweep_command(corpus_root: Path | None, replay: Path | None, devices: str | 
     graph mode, cold L2, racing: 1728 cells, about 6.5 minutes on one H200. One shard per finished cell: an
     interrupted sweep loses at most the cell in flight, and a rerun skips the cells already measured with the
     same provenance (GPU, driver, kernel sources, tool, timing parameters). Progress and ETA go to stderr."""
-    from dispatch import sweep
-    from dispatch.corpus import load
-    from dispatch.shapes import default_inventory_dir
+    from gemv_dispatch.dispatch import sweep
+    from gemv_dispatch.dispatch.corpus import load
+    from gemv_dispatch.dispatch.shapes import default_inventory_dir
 
     plan = sweep.parse_plan(codebooks, ms, modes, shape_paths, limit, hot)
     root = corpus_root if corpus_root is not None else default_inventory_dir().parent
@@ -174,7 +173,7 @@ def corpus_group() -> None:
 def corpus_check(folder: Path, as_json: bool) -> None:
     """Verify FOLDER (e.g. corpus/nvidia-h200): every shard's SHA-256 against the manifest, no unlisted or
     missing shard, well-formed records, one GPU model and kernel source; print the counts."""
-    from dispatch.corpus import load
+    from gemv_dispatch.dispatch.corpus import load
 
     loaded = load(folder)
     provenances = {
@@ -199,11 +198,11 @@ def corpus_check(folder: Path, as_json: bool) -> None:
 def corpus_compact(folder: Path) -> None:
     """Merge FOLDER's shards into one sorted, deduplicated shard per provenance (deterministic), after
     adopting complete shards an interrupted write left outside the manifest."""
-    from dispatch.corpus import compact
+    from gemv_dispatch.dispatch.corpus import compact
 
     before, after = compact(folder)
     click.echo(f"{folder}: {before} shards -> {after}")
 
 
-if __name__ == "__main__":  # `python -m dispatch.cli`: how a --devices sweep starts its children
+if __name__ == "__main__":  # `python -m gemv_dispatch.dispatch.cli`: how a --devices sweep starts its children
     main()

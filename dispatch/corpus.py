@@ -31,9 +31,9 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
-from dispatch.timing import Stats, TimingConfig
-from kernels.errors import InputError
-from kernels.registry import Candidate
+from gemv_dispatch.dispatch.timing import Stats, TimingConfig
+from gemv_dispatch.kernels.errors import InputError
+from gemv_dispatch.kernels.registry import Candidate
 
 SHARD_FORMAT = "gemv-dispatch-shard/1"
 MANIFEST_FORMAT = "gemv-dispatch-corpus/1"

@@ -9,9 +9,8 @@ import subprocess
 from typing import Any
 
 import numpy as np
-
-from kernels.codebooks import CODEBOOKS
-from kernels.errors import InputError
+from gemv_dispatch.kernels.codebooks import CODEBOOKS
+from gemv_dispatch.kernels.errors import InputError
 
 
 def nvcc_version() -> str | None:
@@ -26,7 +25,7 @@ def nvcc_version() -> str | None:
 
 def cuda_device() -> dict[str, Any] | str:
     """Properties of CUDA device 0, or a sentence saying why there is none."""
-    from kernels import launch
+    from gemv_dispatch.kernels import launch
 
     try:
         cp = launch.require_device()
@@ -51,7 +50,7 @@ def cupy_version() -> str | None:
 
 
 def describe() -> dict[str, Any]:
-    from dispatch import __version__
+    from gemv_dispatch.dispatch import __version__
 
     return {
         "tool": __version__,

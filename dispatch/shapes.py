@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kernels.errors import BLOCK, InputError
+from gemv_dispatch.kernels.errors import BLOCK, InputError
 
 ROLES = ("q", "k", "v", "o", "qkv", "gate", "up", "gate_up", "down", "lm_head")
 CONFIG_KEYS = (

@@ -24,14 +24,21 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol, TextIO
 
-from dispatch import __version__, corpus
-from dispatch.corpus import MODES, Cell, Corpus, Provenance, Record, gpu_slug, timing_parameters
-from dispatch.shapes import GRID_NAME, default_inventory_dir, load_inventories
-from dispatch.timing import CupyBackend, Stats, TimingConfig, cell_seed, copies_for_cold_l2, time_candidates
-from kernels import program
-from kernels.codebooks import CODEBOOKS, get
-from kernels.errors import InputError
-from kernels.registry import Candidate, candidates_for
+from gemv_dispatch.dispatch import __version__, corpus
+from gemv_dispatch.dispatch.corpus import MODES, Cell, Corpus, Provenance, Record, gpu_slug, timing_parameters
+from gemv_dispatch.dispatch.shapes import GRID_NAME, default_inventory_dir, load_inventories
+from gemv_dispatch.dispatch.timing import (
+    CupyBackend,
+    Stats,
+    TimingConfig,
+    cell_seed,
+    copies_for_cold_l2,
+    time_candidates,
+)
+from gemv_dispatch.kernels import program
+from gemv_dispatch.kernels.codebooks import CODEBOOKS, get
+from gemv_dispatch.kernels.errors import InputError
+from gemv_dispatch.kernels.registry import Candidate, candidates_for
 
 DEFAULT_CODEBOOKS = "all"
 DEFAULT_MS = "1,4,16"
@@ -204,7 +211,7 @@ def _cuda_version(v: int) -> str:
 def weight_copies(codebook: str, n: int, k: int, rng: Any, l2_bytes: int, cold: bool = True) -> list[Any]:
     """Random device weights (kernels.launch.random_weights) in enough copies that one rotation reads more
     than 3x L2; a single copy when `cold` is False. `rng` is a cupy.random.Generator."""
-    from kernels import launch
+    from gemv_dispatch.kernels import launch
 
     copies = [launch.random_weights(codebook, n, k, rng)]
     count = copies_for_cold_l2(copies[0].nbytes, l2_bytes) if cold else 1
@@ -219,7 +226,7 @@ class GpuTimer:
     caching the last geometry suffices. Copies rotate past 3x the device's L2 unless the config is hot."""
 
     def __init__(self, config: TimingConfig) -> None:
-        from kernels import launch
+        from gemv_dispatch.kernels import launch
 
         # Nsight Systems / Compute attach through this variable; nothing timed under them enters a corpus.
         if os.environ.get("CUDA_INJECTION64_PATH"):
@@ -367,15 +374,13 @@ def run_sweep(plan: SweepPlan, corpus_root: str | os.PathLike[str], timer: Timer
 
 
 def run_devices(devices: Sequence[str], argv: Sequence[str]) -> SweepResult:
-    """One `python -m dispatch.cli sweep ARGV --device-index i` child per device, each seeing only its GPU
-    (CUDA_VISIBLE_DEVICES) and writing its own shards; then one deterministic compaction per folder."""
+    """One `python -m gemv_dispatch.dispatch.cli sweep ARGV --device-index i` child per device, each seeing
+    only its GPU (CUDA_VISIBLE_DEVICES) and writing its own shards; then one deterministic compaction per folder."""
     start = time.monotonic()
-    root = str(Path(__file__).resolve().parents[1])  # children import this checkout, wherever they start
-    pythonpath = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
     children = []
     for i, device in enumerate(devices):
-        env = dict(os.environ, CUDA_VISIBLE_DEVICES=device, PYTHONPATH=pythonpath)
-        cmd = [sys.executable, "-m", "dispatch.cli", "sweep", *argv, "--json",
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=device)
+        cmd = [sys.executable, "-m", "gemv_dispatch.dispatch.cli", "sweep", *argv, "--json",
                "--device-index", str(i), "--device-count", str(len(devices))]
         children.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True))
     results, failed = [], []

@@ -14,8 +14,7 @@ import operator
 from dataclasses import dataclass, field
 
 import numpy as np
-
-from kernels.errors import BLOCK, InputError, check_matrix, describe
+from gemv_dispatch.kernels.errors import BLOCK, InputError, check_matrix, describe
 
 CODEBOOKS: tuple[str, ...] = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL")
 

@@ -12,13 +12,12 @@ from functools import cache
 from typing import Any
 
 import numpy as np
-
-from kernels import program
-from kernels.codebooks import get
-from kernels.emulate import QuantizedActivations
-from kernels.errors import BLOCK, InputError
-from kernels.layout import PackedWeights
-from kernels.registry import FOLD_THREADS, Candidate, kernel_names
+from gemv_dispatch.kernels import program
+from gemv_dispatch.kernels.codebooks import get
+from gemv_dispatch.kernels.emulate import QuantizedActivations
+from gemv_dispatch.kernels.errors import BLOCK, InputError
+from gemv_dispatch.kernels.layout import PackedWeights
+from gemv_dispatch.kernels.registry import FOLD_THREADS, Candidate, kernel_names
 
 try:
     import cupy

@@ -9,9 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-
-from kernels.codebooks import check_blocks, get
-from kernels.errors import BLOCK, InputError
+from gemv_dispatch.kernels.codebooks import check_blocks, get
+from gemv_dispatch.kernels.errors import BLOCK, InputError
 
 
 @dataclass(frozen=True)

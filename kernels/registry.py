@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from functools import cache, cached_property
 from typing import Literal
 
-from kernels.codebooks import CODEBOOKS, get
-from kernels.emulate import effective_split, identity, partition_width
-from kernels.errors import BLOCK, InputError
+from gemv_dispatch.kernels.codebooks import CODEBOOKS, get
+from gemv_dispatch.kernels.emulate import effective_split, identity, partition_width
+from gemv_dispatch.kernels.errors import BLOCK, InputError
 
 Family = Literal["wide", "direct", "kpar"]
 Engine = Literal["dp4a", "mma"]

@@ -6,8 +6,8 @@ import pytest
 
 
 def cuda_unavailable_reason() -> str | None:
-    from kernels import launch
-    from kernels.errors import InputError
+    from gemv_dispatch.kernels import launch
+    from gemv_dispatch.kernels.errors import InputError
 
     try:
         launch.require_device()

@@ -13,14 +13,13 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
-
-from dispatch import __version__, corpus
-from dispatch.corpus import Cell, Provenance, Record, gpu_slug, timing_parameters
-from dispatch.shapes import Inventory, Shape, write_inventory
-from dispatch.timing import Stats, TimingConfig, cell_seed
-from kernels import program
-from kernels.codebooks import get
-from kernels.registry import Candidate, candidates_for
+from gemv_dispatch.dispatch import __version__, corpus
+from gemv_dispatch.dispatch.corpus import Cell, Provenance, Record, gpu_slug, timing_parameters
+from gemv_dispatch.dispatch.shapes import Inventory, Shape, write_inventory
+from gemv_dispatch.dispatch.timing import Stats, TimingConfig, cell_seed
+from gemv_dispatch.kernels import program
+from gemv_dispatch.kernels.codebooks import get
+from gemv_dispatch.kernels.registry import Candidate, candidates_for
 
 FAKE_GPU = "Fake GPU 9000"
 FAKE_UUID = "GPU-00000000-0000-0000-0000-000000000001"

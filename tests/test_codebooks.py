@@ -6,12 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from bitcheck import assert_same_bits
+from gemv_dispatch.kernels import codebooks as cb
+from gemv_dispatch.kernels.errors import InputError
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
-
-from kernels import codebooks as cb
-from kernels.errors import InputError
 
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as GGMLType  # noqa: E402

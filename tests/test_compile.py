@@ -4,10 +4,9 @@ import os
 import shutil
 
 import pytest
-
-from kernels import program
-from kernels.ptxas import compile_report, parse_report, source_name
-from kernels.registry import instantiations
+from gemv_dispatch.kernels import program
+from gemv_dispatch.kernels.ptxas import compile_report, parse_report, source_name
+from gemv_dispatch.kernels.registry import instantiations
 
 needs_nvcc = pytest.mark.skipif(
     shutil.which("nvcc") is None and not os.environ.get("CI"), reason="nvcc is not on PATH (CI requires it)"

@@ -11,12 +11,21 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 from corpus_fixture import FAKE_GPU, build_corpus, cells, fake_provenance, fake_records, tree
-
-from dispatch import corpus
-from dispatch.cli import main
-from dispatch.corpus import MANIFEST, SHARDS, Cell, Provenance, Record, compact, gpu_slug, load, write_shard
-from dispatch.timing import TimingConfig
-from kernels.errors import InputError
+from gemv_dispatch.dispatch import corpus
+from gemv_dispatch.dispatch.cli import main
+from gemv_dispatch.dispatch.corpus import (
+    MANIFEST,
+    SHARDS,
+    Cell,
+    Provenance,
+    Record,
+    compact,
+    gpu_slug,
+    load,
+    write_shard,
+)
+from gemv_dispatch.dispatch.timing import TimingConfig
+from gemv_dispatch.kernels.errors import InputError
 
 PROV = fake_provenance()
 

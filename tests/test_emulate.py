@@ -21,14 +21,13 @@ import struct
 import numpy as np
 import pytest
 from bitcheck import assert_same_bits, bits
+from gemv_dispatch.kernels import emulate
+from gemv_dispatch.kernels.codebooks import quantize
+from gemv_dispatch.kernels.errors import InputError
+from gemv_dispatch.kernels.layout import pack
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
-
-from kernels import emulate
-from kernels.codebooks import quantize
-from kernels.errors import InputError
-from kernels.layout import pack
 
 F = np.float32
 ALL = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL")

@@ -5,11 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from bitcheck import assert_same_bits, bits
-
-from kernels import emulate, layout
-from kernels.codebooks import CODEBOOKS, quantize
-from kernels.errors import InputError
-from kernels.registry import CANDIDATES, candidates_for
+from gemv_dispatch.kernels import emulate, layout
+from gemv_dispatch.kernels.codebooks import CODEBOOKS, quantize
+from gemv_dispatch.kernels.errors import InputError
+from gemv_dispatch.kernels.registry import CANDIDATES, candidates_for
 
 pytestmark = pytest.mark.gpu
 
@@ -47,7 +46,7 @@ def adversarial_activations(m: int, k: int, rng: np.random.Generator) -> np.ndar
 
 
 def run(cp, stream, cand, weights, x_np, *, qact=None):
-    from kernels import launch
+    from gemv_dispatch.kernels import launch
 
     m = x_np.shape[0]
     x = cp.asarray(x_np)
@@ -61,7 +60,7 @@ def run(cp, stream, cand, weights, x_np, *, qact=None):
 
 
 def test_activation_kernel_matches_emulator(cp, stream):
-    from kernels import launch
+    from gemv_dispatch.kernels import launch
 
     rng = np.random.default_rng()
     x = adversarial_activations(7, 4128, rng)
@@ -78,7 +77,7 @@ def test_activation_kernel_matches_emulator(cp, stream):
 def test_candidates_equal_emulator_and_serial_m1(cp, stream, codebook, n, k, m_set):
     """Every candidate: bytes == emulator; grouped M == M serial M=1 launches; repeat identical;
     permuted rows permute outputs; every element written."""
-    from kernels import launch
+    from gemv_dispatch.kernels import launch
 
     rng = np.random.default_rng()
     packed = make_weights(codebook, n, k, rng)
@@ -111,7 +110,7 @@ def test_negative_control_identities_differ(cp, stream):
     rng = np.random.default_rng()
     n, k = 1000, 4128
     packed = make_weights("Q4_0", n, k, rng)
-    from kernels import launch
+    from gemv_dispatch.kernels import launch
 
     weights = launch.to_device(packed)
     x = rng.standard_normal((4, k), dtype=np.float32)
@@ -121,7 +120,7 @@ def test_negative_control_identities_differ(cp, stream):
 
 
 def test_bad_launches_are_refused(cp, stream):
-    from kernels import launch
+    from gemv_dispatch.kernels import launch
 
     rng = np.random.default_rng()
     weights = launch.to_device(make_weights("Q8_0", 64, 256, rng))

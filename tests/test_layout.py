@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from gemv_dispatch.kernels.codebooks import CODEBOOKS, get, quantize
+from gemv_dispatch.kernels.errors import InputError
+from gemv_dispatch.kernels.layout import PackedWeights, pack, unpack
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from kernels.codebooks import CODEBOOKS, get, quantize
-from kernels.errors import InputError
-from kernels.layout import PackedWeights, pack, unpack
 
 # GGUF block layout per format: block bytes and byte offsets of d, m, qh, qs (None: field absent).
 GGUF = {

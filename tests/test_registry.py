@@ -1,13 +1,10 @@
 """Candidate registry (DESIGN §3): ids, normalization, validity, launch geometry, compiled instantiations."""
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-from kernels.codebooks import CODEBOOKS
-from kernels.emulate import effective_split, identity
-from kernels.errors import InputError
-from kernels.registry import (
+from gemv_dispatch.kernels.codebooks import CODEBOOKS
+from gemv_dispatch.kernels.emulate import effective_split, identity
+from gemv_dispatch.kernels.errors import InputError
+from gemv_dispatch.kernels.registry import (
     BY_ID,
     CANDIDATES,
     MMA_OUTPUTS,
@@ -18,6 +15,8 @@ from kernels.registry import (
     instantiations,
     kernel_names,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 shapes = st.tuples(st.integers(1, 40), st.integers(1, 262144), st.integers(1, 2048).map(lambda kb: 32 * kb))
 

@@ -8,9 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-
-from dispatch.cli import main
-from dispatch.shapes import (
+from gemv_dispatch.dispatch.cli import main
+from gemv_dispatch.dispatch.shapes import (
     GRID_MAX_ELEMENTS,
     ROLES,
     Inventory,
@@ -23,7 +22,7 @@ from dispatch.shapes import (
     write_inventory,
     write_synthetic_grid,
 )
-from kernels.errors import BLOCK, InputError
+from gemv_dispatch.kernels.errors import BLOCK, InputError
 
 REQUIRED_MODELS = {
     "llama-3.1-8b", "llama-3.1-70b", "qwen2.5-7b", "qwen2.5-32b", "qwen3-8b",

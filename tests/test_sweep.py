@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -23,13 +22,20 @@ from corpus_fixture import (
     tree,
     write_shapes,
 )
-
-from dispatch.cli import main
-from dispatch.corpus import MANIFEST, Cell, gpu_slug, load, write_shard
-from dispatch.sweep import GpuTimer, Progress, ReplayTimer, SweepPlan, parse_devices, parse_plan, run_sweep
-from dispatch.timing import TimingConfig
-from kernels.codebooks import CODEBOOKS
-from kernels.errors import InputError
+from gemv_dispatch.dispatch.cli import main
+from gemv_dispatch.dispatch.corpus import MANIFEST, Cell, gpu_slug, load, write_shard
+from gemv_dispatch.dispatch.sweep import (
+    GpuTimer,
+    Progress,
+    ReplayTimer,
+    SweepPlan,
+    parse_devices,
+    parse_plan,
+    run_sweep,
+)
+from gemv_dispatch.dispatch.timing import TimingConfig
+from gemv_dispatch.kernels.codebooks import CODEBOOKS
+from gemv_dispatch.kernels.errors import InputError
 
 REPO = Path(__file__).resolve().parents[1]
 SLUG = gpu_slug(FAKE_GPU)
@@ -157,8 +163,7 @@ def test_sweep_refuses_a_folder_measured_with_other_kernel_sources(source, shape
 # --- interruption and devices (subprocesses) -------------------------------------------------------------
 
 def cli(*args: str, **kwargs: object) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    return subprocess.Popen([sys.executable, "-m", "dispatch.cli", *args], cwd=REPO, env=env,
+    return subprocess.Popen([sys.executable, "-m", "gemv_dispatch.dispatch.cli", *args], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
 
 
@@ -279,7 +284,7 @@ def test_sweep_without_a_usable_device_is_one_line(monkeypatch, tmp_path):
     """CuPy present but no driver or device: one clear line and exit 2, not a CUDA traceback."""
     from types import SimpleNamespace
 
-    from kernels import launch
+    from gemv_dispatch.kernels import launch
 
     class CUDARuntimeError(RuntimeError):
         pass

@@ -1,0 +1,8 @@
+# Sourced by the device scripts: install this checkout (editable, no network, no dependencies: the device image
+# has them) and any wheels carried in .whl/ (e.g. gguf), so `gemv_dispatch` imports the working tree.
+export PYTHONUNBUFFERED=1
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=/tmp/site
+fi
+python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . 2>&1 | grep -v -i warning | tail -3
