@@ -11,11 +11,12 @@ from typing import Any
 
 import click
 from gemv_dispatch.dispatch.sweep import DEFAULT_CODEBOOKS, DEFAULT_MODES, DEFAULT_MS
-from gemv_dispatch.kernels.errors import InputError
+from gemv_dispatch.kernels.errors import EnvironmentProblem, InputError
 
 
 def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Turn a caller mistake into one line on stderr and exit code 2, never a traceback."""
+    """One line on stderr, never a traceback: exit 2 for a caller mistake (bad input, a missing file), exit 3
+    for a problem of the environment (no CuPy or GPU, a read-only folder, a full disk)."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -24,6 +25,13 @@ def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
         except (InputError, FileNotFoundError) as err:
             click.echo(f"error: {err}", err=True)
             sys.exit(2)
+        except EnvironmentProblem as err:
+            click.echo(f"error: {err}", err=True)
+            sys.exit(3)
+        except OSError as err:  # names the path and the cause: "[Errno 28] No space left on device: 'x'"
+            where = f"{err.filename}: " if err.filename else ""
+            click.echo(f"error: {where}{err.strerror or err}", err=True)
+            sys.exit(3)
 
     return wrapper
 
@@ -106,7 +114,8 @@ def shapes_from_gguf(model: Path, output: Path | None, as_json: bool) -> None:
 
 @main.command("sweep")
 @click.option("--corpus-root", type=click.Path(file_okay=False, path_type=Path),
-              help="Folder that holds one corpus folder per GPU model [default: the repository's corpus/].")
+              help="Folder that holds one corpus folder per GPU model [default: corpus/ of the work folder, "
+              "see dispatch.paths: GEMV_DISPATCH_HOME, the source checkout, or ~/.local/share/gemv-dispatch].")
 @click.option("--replay", type=click.Path(path_type=Path),
               help="Serve timings from this corpus folder instead of a GPU (CPU runs and tests).")
 @click.option("--devices", help="CUDA device ids, e.g. 0,1: one child process per GPU, geometries dealt "
@@ -135,10 +144,10 @@ def sweep_command(corpus_root: Path | None, replay: Path | None, devices: str | 
     same provenance (GPU, driver, kernel sources, tool, timing parameters). Progress and ETA go to stderr."""
     from gemv_dispatch.dispatch import sweep
     from gemv_dispatch.dispatch.corpus import load
-    from gemv_dispatch.dispatch.shapes import default_inventory_dir
+    from gemv_dispatch.dispatch.paths import home_dir
 
     plan = sweep.parse_plan(codebooks, ms, modes, shape_paths, limit, hot)
-    root = corpus_root if corpus_root is not None else default_inventory_dir().parent
+    root = corpus_root if corpus_root is not None else home_dir() / "corpus"
     if devices is not None:
         argv = ["--corpus-root", str(root.resolve()), "--codebooks", codebooks, "--m", ms, "--modes", modes]
         argv += [arg for p in shape_paths for arg in ("--shapes", str(p.resolve()))]

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gemv_dispatch.dispatch import paths
 from gemv_dispatch.kernels.errors import BLOCK, InputError
 
 ROLES = ("q", "k", "v", "o", "qkv", "gate", "up", "gate_up", "down", "lm_head")
@@ -89,8 +90,8 @@ class Inventory:
 
 
 def default_inventory_dir() -> Path:
-    """corpus/shapes of the repository this package lives in."""
-    return Path(__file__).resolve().parents[1] / "corpus" / "shapes"
+    """The shipped inventories (dispatch.paths.shapes_dir)."""
+    return paths.shapes_dir()
 
 
 def _is_int(value: Any) -> bool:

@@ -13,6 +13,11 @@ class InputError(ValueError):
     Command-line entry points print it without a traceback and exit non-zero."""
 
 
+class EnvironmentProblem(RuntimeError):
+    """The machine cannot do what was asked (no CuPy, no CUDA device or driver, a read-only or full disk): not
+    the caller's input. Its message is one line; command-line entry points exit with status 3."""
+
+
 def describe(value: object) -> str:
     """What a value is, for error messages: dtype and shape of an array, else its type."""
     if isinstance(value, np.ndarray):
