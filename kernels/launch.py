@@ -1,11 +1,21 @@
 """Launchers (CuPy): move weights to the device, quantize activations, launch a candidate on a stream.
 
-Every launch goes to an explicit stream; the null stream is refused (DESIGN §3). The module for a codebook is
-compiled once per process by NVRTC with the contract's options, for the device's own architecture.
+No launch goes to a default stream (DESIGN §3). Stream contract of `quantize_activations` and `gemv`:
+- an explicit `stream` argument (never a default stream) receives the launches;
+- without one, the launches go to the caller's current CuPy stream when that is an explicit stream, and,
+  when it is a default stream (null, legacy or per-thread), to an internal non-blocking stream of this
+  thread and device that first waits on an event recorded on the caller's stream and afterwards makes the
+  caller's stream wait on an event recorded after the launches (`launch_stream`, `rejoin`): ordered both
+  ways with the caller's work (DESIGN §9), with no host synchronization.
+Nothing here synchronizes the host except the opt-in `strict` finiteness check. `bind` resolves a launch
+once for timing loops: zero host work per launch beyond the launch itself.
+The module for a codebook is compiled once per process by NVRTC with the contract's options, for the
+device's own architecture.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cache
@@ -59,6 +69,8 @@ class DeviceWeights:
 
 
 def to_device(packed: PackedWeights) -> DeviceWeights:
+    """Upload the planes on the current stream and wait for them (one host synchronization, once per
+    matrix): afterwards any stream may read them, whatever stream it is ordered with."""
     cp = require_cupy()
 
     def put(plane: np.ndarray | None, view: Any = None) -> Any:
@@ -66,7 +78,7 @@ def to_device(packed: PackedWeights) -> DeviceWeights:
             return None
         return cp.asarray(plane.view(view) if view is not None else plane)
 
-    return DeviceWeights(
+    weights = DeviceWeights(
         codebook=packed.codebook,
         n=packed.n,
         k=packed.k,
@@ -75,6 +87,8 @@ def to_device(packed: PackedWeights) -> DeviceWeights:
         min=put(packed.min, np.uint16),
         high=put(packed.high),
     )
+    cp.cuda.get_current_stream().synchronize()
+    return weights
 
 
 def random_weights(codebook: str, n: int, k: int, rng: Any) -> DeviceWeights:
@@ -116,10 +130,79 @@ def is_block_major(qact: QuantizedActivations) -> bool:
                for a in (qact.q, qact.d, qact.sum))
 
 
+# Stream handles of the default streams: the null stream (0), cudaStreamLegacy (1), cudaStreamPerThread (2).
+DEFAULT_STREAMS = (0, 1, 2)
+
+
+def is_default_stream(stream: Any) -> bool:
+    return stream.ptr in DEFAULT_STREAMS
+
+
 def check_stream(stream: Any) -> None:
-    cp = require_cupy()
-    if not isinstance(stream, cp.cuda.Stream) or stream.ptr == 0:
+    """An explicit stream argument must be a CuPy stream object other than a default stream."""
+    if not isinstance(getattr(stream, "ptr", None), int) or is_default_stream(stream):
         raise InputError("launches need an explicit CuPy stream (cupy.cuda.Stream(non_blocking=True)), not stream 0")
+
+
+@dataclass(frozen=True)
+class _Bridge:
+    """The internal stream that serves callers whose current stream is a default stream, with the two events
+    that order it with them. Reusing the events is safe: a wait binds to the record that precedes it."""
+
+    stream: Any  # non-blocking, so it never serializes with unrelated default-stream work
+    entered: Any  # recorded on the caller's stream before the launches
+    done: Any  # recorded on `stream` after the launches
+
+
+class _Bridges(threading.local):
+    # Per thread: with per-thread default streams two threads' callers are different streams, and a shared
+    # event recorded by one thread could be waited on by another.
+    def __init__(self) -> None:
+        self.by_device: dict[int, _Bridge] = {}
+
+
+_BRIDGES = _Bridges()
+
+
+def _bridge(cp: Any) -> _Bridge:
+    device = cp.cuda.runtime.getDevice()
+    bridge = _BRIDGES.by_device.get(device)
+    if bridge is None:
+        bridge = _BRIDGES.by_device[device] = _Bridge(
+            cp.cuda.Stream(non_blocking=True),
+            cp.cuda.Event(disable_timing=True), cp.cuda.Event(disable_timing=True))
+    return bridge
+
+
+def launch_stream(caller: Any) -> Any:
+    """The stream to launch on for a caller whose current stream is `caller`: `caller` itself when it is an
+    explicit stream; else this thread's internal stream for the current device, made to wait (on the device,
+    not the host) for everything already enqueued on `caller`. Pair with `rejoin` after the launches."""
+    if not is_default_stream(caller):
+        return caller
+    cp = require_cupy()
+    bridge = _bridge(cp)
+    bridge.entered.record(caller)
+    bridge.stream.wait_event(bridge.entered)
+    return bridge.stream
+
+
+def rejoin(caller: Any, launched_on: Any) -> None:
+    """After launches on `launched_on = launch_stream(caller)`: make `caller` wait for them (device-side)."""
+    if launched_on is caller:
+        return
+    bridge = _bridge(require_cupy())
+    bridge.done.record(launched_on)
+    caller.wait_event(bridge.done)
+
+
+def caller_stream(stream: Any = None) -> Any:
+    """The stream whose work a launch must follow: `stream` when given (explicit, checked), else the current
+    CuPy stream of the current device."""
+    if stream is not None:
+        check_stream(stream)
+        return stream
+    return require_cupy().cuda.get_current_stream()
 
 
 @cache
@@ -140,29 +223,44 @@ def _helper(name: str) -> Any:
     return _kernel(None, name)
 
 
-def quantize_activations(x: Any, stream: Any, out: QuantizedActivations | None = None) -> QuantizedActivations:
-    """Device activation quantization (DESIGN §1) of float32 x [M, K]; non-finite values are rejected."""
+def quantize_activations(x: Any, stream: Any = None, out: QuantizedActivations | None = None, *,
+                         strict: bool = False) -> QuantizedActivations:
+    """Device activation quantization (DESIGN §1) of float32 x [M, K], a C-contiguous CuPy array.
+
+    Runs after the work already enqueued on the caller's stream (the module's stream contract: `stream`, or
+    the current stream) and never synchronizes the host, so it can be captured in a CUDA graph. Non-finite
+    activations are the caller's contract to avoid; `strict=True` checks them and raises InputError, at the
+    price of one host synchronization with the caller's stream (not capturable). `out`, when given, must come
+    from `empty_activations(M, K)`; new buffers are allocated on the caller's stream (CuPy's pool)."""
     cp = require_cupy()
-    check_stream(stream)
+    caller = caller_stream(stream)
     if not isinstance(x, cp.ndarray) or x.dtype != cp.float32 or x.ndim != 2 or not x.flags.c_contiguous:
         raise InputError("activations must be a C-contiguous 2-D float32 CuPy array [M, K]")
     m, k = x.shape
     if m < 1 or k < BLOCK or k % BLOCK:
         raise InputError(f"activations have shape {x.shape}; need M >= 1 and K a positive multiple of 32")
-    with stream:
-        if not bool(cp.isfinite(x).all()):
+    with caller:  # the check and the buffers belong to the caller's stream
+        if strict and not bool(cp.isfinite(x).all()):
             raise InputError("activations contain non-finite values; they must be finite")
-    out = out or empty_activations(m, k)
+        out = out or empty_activations(m, k)
     kb = k // BLOCK
     if (out.m, out.kb) != (m, kb) or not is_block_major(out):
         raise InputError(f"`out` must be launch.empty_activations({m}, {k})")
-    threads = 256
-    with stream:
-        _helper("quantize_activations")(
-            (-(-m * kb * BLOCK // threads),), (threads,),  # one warp per (row, block)
-            (x, np.int32(m), np.int32(kb), *storage(out)),
-        )
+    on = launch_stream(caller)
+    enqueue_quantize(x, m, kb, out, on)
+    rejoin(caller, on)
     return out
+
+
+QUANTIZE_THREADS = 256
+
+
+def enqueue_quantize(x: Any, m: int, kb: int, out: QuantizedActivations, stream: Any) -> None:
+    """Enqueue the activation kernel on `stream`, nothing checked: x is a CuPy array or a device pointer
+    (np.uint64) to float32 [M, KB·32], `out` block-major activations of that shape."""
+    _helper("quantize_activations")(
+        (-(-m * kb * BLOCK // QUANTIZE_THREADS),), (QUANTIZE_THREADS,),  # one warp per (row, block)
+        (x, np.int32(m), np.int32(kb), *storage(out)), stream=stream)
 
 
 def check_launch(candidate: Candidate, weights: DeviceWeights, qact: QuantizedActivations, out: Any,
@@ -185,11 +283,65 @@ def check_launch(candidate: Candidate, weights: DeviceWeights, qact: QuantizedAc
         raise InputError("output and weights are on different devices")
 
 
+@dataclass(frozen=True)
+class Plan:
+    """One candidate's launch for one weights matrix and M, resolved once: kernel, geometry, weight pointers
+    and scalar arguments. `enqueue` adds the per-call pointers and launches, nothing checked (callers check
+    once, as `check_launch` does). `bind` and the runtime both launch through plans."""
+
+    candidate: Candidate
+    m: int
+    kernel: Any
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    shared: int
+    weights: tuple[Any, ...]  # payload, high, scale, min (null pointers for planes a codebook lacks)
+    scalars: tuple[Any, ...]  # int32 M, N, KB, partition width
+    workspace_floats: int  # kpar's partials [S][M][N]; 0 for one-launch families
+    fold: Any  # the fold kernel of kpar, else None
+    fold_grid: tuple[int]
+    fold_scalars: tuple[Any, ...]  # int32 S, M·N
+
+    def enqueue(self, qact: tuple[Any, Any, Any], out: Any, workspace: Any, stream: Any) -> None:
+        """y = W·x on `stream`: `qact` = storage(activations), `out` float32 [M, N] (array or pointer),
+        `workspace` float32 of at least `workspace_floats` elements (kpar only)."""
+        if self.fold is None:
+            self.kernel(self.grid, self.block, (*self.weights, *qact, *self.scalars, out),
+                        shared_mem=self.shared, stream=stream)
+            return
+        self.kernel(self.grid, self.block, (*self.weights, *qact, *self.scalars, workspace),
+                    shared_mem=self.shared, stream=stream)
+        self.fold(self.fold_grid, (FOLD_THREADS,), (workspace, *self.fold_scalars, out), stream=stream)
+
+
+def plan(candidate: Candidate, weights: DeviceWeights, m: int) -> Plan:
+    """Resolve `candidate`'s launch for `weights` and M rows; InputError when the candidate cannot run it."""
+    n, k = weights.n, weights.k
+    reason = candidate.invalid_reason(m, n, k)
+    if reason:
+        raise InputError(f"candidate {candidate.id} cannot run M={m}, N={n}, K={k}: {reason}")
+    grid, block = candidate.launch_geometry(m, n, k)
+    none = np.uint64(0)  # a null pointer for planes this codebook lacks
+    return Plan(
+        candidate=candidate, m=m,
+        kernel=_kernel(weights.codebook, candidate.kernel_name(weights.codebook, m)),
+        grid=grid, block=block, shared=candidate.shared_bytes(m),
+        weights=(weights.payload, none if weights.high is None else weights.high, weights.scale,
+                 none if weights.min is None else weights.min),
+        scalars=(np.int32(m), np.int32(n), np.int32(k // BLOCK), np.int32(candidate.partition_width(k))),
+        workspace_floats=candidate.workspace_bytes(m, n, k) // 4,
+        fold=_helper("fold_partials") if candidate.grid_split else None,
+        fold_grid=(-(-m * n // FOLD_THREADS),),
+        fold_scalars=(np.int32(candidate.ksplit), np.int32(m * n)),
+    )
+
+
 def bind(candidate: Candidate, copies: Sequence[DeviceWeights], qact: QuantizedActivations, out: Any, stream: Any,
          workspace: Any = None) -> Callable[[int], None]:
     """Check once and resolve everything a launch needs; `launch(i)` then enqueues y = W·x on `stream` with
     W = copies[i] (copies of one matrix, e.g. rotated for cold L2) and nothing left to compute on the host:
-    eager timing measures the launch, not this setup. `out` float32 [M, N] receives y."""
+    eager timing measures the launch, not this setup. `out` float32 [M, N] receives y. No stream ordering is
+    added: the timing harness owns `stream`."""
     check_stream(stream)
     if not copies:
         raise InputError("bind needs at least one weights copy")
@@ -197,33 +349,31 @@ def bind(candidate: Candidate, copies: Sequence[DeviceWeights], qact: QuantizedA
     check_launch(candidate, first, qact, out, workspace)
     if any((w.codebook, w.n, w.k) != (first.codebook, first.n, first.k) for w in copies):
         raise InputError("weights copies must share one codebook and shape")
-    m, n, k = qact.m, first.n, first.k
-    kernel = _kernel(first.codebook, candidate.kernel_name(first.codebook, m))
-    grid, block = candidate.launch_geometry(m, n, k)
-    shared = candidate.shared_bytes(m)
-    none = np.uint64(0)  # a null pointer for planes this codebook lacks
-    tail = (*storage(qact), np.int32(m), np.int32(n), np.int32(k // BLOCK), np.int32(candidate.partition_width(k)),
-            workspace if candidate.grid_split else out)
-    args = [(w.payload, none if w.high is None else w.high, w.scale, none if w.min is None else w.min, *tail)
-            for w in copies]
+    plans = [plan(candidate, w, qact.m) for w in copies]
+    first_plan = plans[0]
+    kernel, grid, block, shared = first_plan.kernel, first_plan.grid, first_plan.block, first_plan.shared
+    tail = (*storage(qact), *first_plan.scalars, workspace if candidate.grid_split else out)
+    args = [(*p.weights, *tail) for p in plans]
     if not candidate.grid_split:
         def launch(i: int) -> None:
-            with stream:  # CuPy launches raw kernels on the current stream
-                kernel(grid, block, args[i], shared_mem=shared)
+            kernel(grid, block, args[i], shared_mem=shared, stream=stream)
         return launch
 
-    fold = _helper("fold_partials")
-    fold_grid = (-(-m * n // FOLD_THREADS),)
-    fold_args = (workspace, np.int32(candidate.ksplit), np.int32(m * n), out)
+    fold, fold_grid = first_plan.fold, first_plan.fold_grid
+    fold_args = (workspace, *first_plan.fold_scalars, out)
 
     def launch_and_fold(i: int) -> None:
-        with stream:
-            kernel(grid, block, args[i], shared_mem=shared)
-            fold(fold_grid, (FOLD_THREADS,), fold_args)
+        kernel(grid, block, args[i], shared_mem=shared, stream=stream)
+        fold(fold_grid, (FOLD_THREADS,), fold_args, stream=stream)
     return launch_and_fold
 
 
-def gemv(candidate: Candidate, weights: DeviceWeights, qact: QuantizedActivations, out: Any, stream: Any,
+def gemv(candidate: Candidate, weights: DeviceWeights, qact: QuantizedActivations, out: Any, stream: Any = None,
          workspace: Any = None) -> None:
-    """Enqueue y = W·x for quantized activations on `stream`; `out` float32 [M, N] receives y."""
-    bind(candidate, [weights], qact, out, stream, workspace)(0)
+    """Enqueue y = W·x for quantized activations under the module's stream contract (`stream`, or the
+    caller's current stream); `out` float32 [M, N] receives y. No host synchronization."""
+    caller = caller_stream(stream)
+    check_launch(candidate, weights, qact, out, workspace)
+    on = launch_stream(caller)
+    plan(candidate, weights, qact.m).enqueue(storage(qact), out, workspace, on)
+    rejoin(caller, on)

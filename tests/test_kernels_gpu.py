@@ -49,11 +49,12 @@ def run(cp, stream, cand, weights, x_np, *, qact=None):
     from gemv_dispatch.kernels import launch
 
     m = x_np.shape[0]
-    x = cp.asarray(x_np)
+    with stream:  # uploads and poison on the launch stream: a copy on stream 0 would not be ordered with it
+        x = cp.asarray(x_np)
+        out = cp.asarray(np.full((m, weights.n), POISON, dtype=np.uint32)).view(cp.float32)
+        need = cand.workspace_bytes(m, weights.n, weights.k)
+        ws = cp.full(max(need // 4, 1), np.nan, dtype=cp.float32) if need else None
     qact = qact or launch.quantize_activations(x, stream)
-    out = cp.asarray(np.full((m, weights.n), POISON, dtype=np.uint32)).view(cp.float32)
-    need = cand.workspace_bytes(m, weights.n, weights.k)
-    ws = cp.full(max(need // 4, 1), np.nan, dtype=cp.float32) if need else None
     launch.gemv(cand, weights, qact, out, stream, workspace=ws)
     stream.synchronize()
     return cp.asnumpy(out)
@@ -64,7 +65,9 @@ def test_activation_kernel_matches_emulator(cp, stream):
 
     rng = np.random.default_rng()
     x = adversarial_activations(7, 4128, rng)
-    q = launch.quantize_activations(cp.asarray(x), stream)
+    with stream:
+        x_dev = cp.asarray(x)
+    q = launch.quantize_activations(x_dev, stream)
     stream.synchronize()
     ref = emulate.quantize_activations(x)
     assert np.array_equal(cp.asnumpy(q.q), ref.q)
@@ -129,8 +132,10 @@ def test_bad_launches_are_refused(cp, stream):
         launch.quantize_activations(x, cp.cuda.Stream.null)
     bad = x.copy()
     bad[1, 3] = cp.inf
+    cp.cuda.Stream.null.synchronize()  # `bad` was written on stream 0
     with pytest.raises(InputError, match="non-finite"):
-        launch.quantize_activations(bad, stream)
+        launch.quantize_activations(bad, stream, strict=True)
+    launch.quantize_activations(bad, stream)  # the check is opt-in: no host synchronization by default
     qact = launch.quantize_activations(x, stream)
     kpar = next(c for c in CANDIDATES if c.family == "kpar" and c.valid(2, 64, 256))
     out = cp.empty((2, 64), cp.float32)
