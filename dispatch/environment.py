@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 from gemv_dispatch.kernels.codebooks import CODEBOOKS
-from gemv_dispatch.kernels.errors import InputError
+from gemv_dispatch.kernels.errors import EnvironmentProblem
 
 
 def nvcc_version() -> str | None:
@@ -29,7 +29,7 @@ def cuda_device() -> dict[str, Any] | str:
 
     try:
         cp = launch.require_device()
-    except InputError as err:
+    except EnvironmentProblem as err:
         return f"none ({err})"
     props = cp.cuda.runtime.getDeviceProperties(0)
     return {

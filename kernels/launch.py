@@ -15,6 +15,7 @@ device's own architecture.
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ import numpy as np
 from gemv_dispatch.kernels import program
 from gemv_dispatch.kernels.codebooks import get
 from gemv_dispatch.kernels.emulate import QuantizedActivations
-from gemv_dispatch.kernels.errors import BLOCK, InputError
+from gemv_dispatch.kernels.errors import BLOCK, EnvironmentProblem, InputError
 from gemv_dispatch.kernels.layout import PackedWeights
 from gemv_dispatch.kernels.registry import FOLD_THREADS, Candidate, kernel_names
 
@@ -36,20 +37,33 @@ except ImportError:  # the CPU stages never launch; only calling into this modul
 
 
 def require_cupy() -> Any:
+    """CuPy, or EnvironmentProblem (the machine lacks it; not the caller's input)."""
     if cupy is None:
-        raise InputError("CuPy is not installed: install the 'cuda' extra (pip install '.[cuda]')")
+        raise EnvironmentProblem("CuPy is not installed: install the 'cuda' extra (pip install '.[cuda]')")
     return cupy
 
 
+def nvidia_driver_present() -> bool:
+    """Whether the NVIDIA driver's CUDA library (libcuda) can be loaded: without it CuPy reports only an
+    "insufficient driver" version error."""
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    return True
+
+
 def require_device() -> Any:
-    """CuPy, once a CUDA device is known to be usable; otherwise one clear InputError."""
+    """CuPy, once a CUDA device is known to be usable; otherwise one clear EnvironmentProblem."""
     cp = require_cupy()
     try:
         count = cp.cuda.runtime.getDeviceCount()
     except cp.cuda.runtime.CUDARuntimeError as err:
-        raise InputError(f"no usable CUDA device: {err}") from None
+        if not nvidia_driver_present():
+            raise EnvironmentProblem("no NVIDIA driver found (libcuda.so.1 cannot be loaded)") from None
+        raise EnvironmentProblem(f"no usable CUDA device: {err}") from None
     if count == 0:
-        raise InputError("no CUDA device is visible")
+        raise EnvironmentProblem("no CUDA device is visible")
     return cp
 
 

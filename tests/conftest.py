@@ -7,11 +7,11 @@ import pytest
 
 def cuda_unavailable_reason() -> str | None:
     from gemv_dispatch.kernels import launch
-    from gemv_dispatch.kernels.errors import InputError
+    from gemv_dispatch.kernels.errors import EnvironmentProblem
 
     try:
         launch.require_device()
-    except InputError as err:
+    except EnvironmentProblem as err:
         return str(err)
     return None
 
