@@ -261,7 +261,7 @@ def quantize_activations(x: Any, stream: Any = None, out: QuantizedActivations |
     if (out.m, out.kb) != (m, kb) or not is_block_major(out):
         raise InputError(f"`out` must be launch.empty_activations({m}, {k})")
     on = launch_stream(caller)
-    enqueue_quantize(x, m, kb, out, on)
+    enqueue_quantize(x, m, kb, storage(out), on)
     rejoin(caller, on)
     return out
 
@@ -269,12 +269,13 @@ def quantize_activations(x: Any, stream: Any = None, out: QuantizedActivations |
 QUANTIZE_THREADS = 256
 
 
-def enqueue_quantize(x: Any, m: int, kb: int, out: QuantizedActivations, stream: Any) -> None:
+def enqueue_quantize(x: Any, m: int, kb: int, qact: tuple[Any, Any, Any], stream: Any) -> None:
     """Enqueue the activation kernel on `stream`, nothing checked: x is a CuPy array or a device pointer
-    (np.uint64) to float32 [M, KB·32], `out` block-major activations of that shape."""
+    (np.uint64) to float32 [M, KB·32]; `qact` the base pointers of block-major q, d_a and sum_a buffers of
+    that shape (`storage`)."""
     _helper("quantize_activations")(
         (-(-m * kb * BLOCK // QUANTIZE_THREADS),), (QUANTIZE_THREADS,),  # one warp per (row, block)
-        (x, np.int32(m), np.int32(kb), *storage(out)), stream=stream)
+        (x, np.int32(m), np.int32(kb), *qact), stream=stream)
 
 
 def check_launch(candidate: Candidate, weights: DeviceWeights, qact: QuantizedActivations, out: Any,
