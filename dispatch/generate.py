@@ -1,0 +1,186 @@
+"""Code generation (DESIGN §8): a policy rendered as a standard-library Python module and a C99 header.
+
+`render(policy, ...)` returns {file name: bytes} for dispatch_table.py and dispatch_table.h, byte-for-byte
+deterministic for the same policy, tool version and inventory digest. What is rendered is the policy itself,
+not precomputed answers, so `select` stays total: the candidates table, both fallback trees as node arrays
+walked node by node, the overlays, the registry's validity rule, the identity function and the shape
+features (dispatch.features), each re-implemented with integer operations only. The C header uses int64 and
+accepts M, N, K up to 2^31 - 1, where every intermediate (N·K·block bytes, 64·N, ...) stays below 2^63.
+
+Order of work, because a certificate binds the module's digest: `render` -> `certify.certify(policy,
+rendered, runner)` -> `write(folder, rendered, certificate)`. `generate` is that for the command line: it
+renders again and refuses a certificate that does not bind the rendered bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from gemv_dispatch.dispatch import __version__, features
+from gemv_dispatch.dispatch.certify import (
+    certificate_bytes,
+    inventories_digest,
+    read_certificate,
+    sha256,
+)
+from gemv_dispatch.dispatch.corpus import gpu_slug
+from gemv_dispatch.dispatch.policy import CANONICAL_WIDE, Policy
+from gemv_dispatch.kernels import registry
+from gemv_dispatch.kernels.errors import BLOCK, InputError
+
+MODULE = "dispatch_table.py"
+HEADER = "dispatch_table.h"
+CERTIFICATE = "certificate.json"
+FILES = (MODULE, HEADER, CERTIFICATE)
+FAMILIES = ("wide", "direct", "kpar")
+# The shape features the templates implement, in dispatch.features order. A policy whose trees use a feature
+# the templates do not know is refused (render) rather than rendered wrong.
+RENDERED_IDENTITY_FEATURES = ("block_bytes", "asymmetric", "high_bits", "table", "n", "k", "nk", "weight_kib",
+                              "n_per_k_x64", "k_per_n_x64", "waves_x64")
+RENDERED_LAUNCH_FEATURES = (*RENDERED_IDENTITY_FEATURES, "identity", "width", "split_waves_x64", "m", "m_tile",
+                            "mode")
+C_MAX_DIM = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class RenderedTree:
+    nodes: list[tuple[int, int, int, int, int]]  # feature index into the rendered feature vector
+    leaves: list[list[int]]  # identities, or candidate indexes into CANDIDATES
+
+
+def _tree(tree: Any, order: tuple[str, ...], as_index: Mapping[Any, int] | None) -> RenderedTree:
+    """A policy tree with its feature indexes mapped onto `order` (the vector the generated code computes)."""
+    remap = [order.index(name) for name in tree.features]
+    nodes = [(-1 if f == -1 else remap[f], t, left, right, leaf) for f, t, left, right, leaf in tree.nodes]
+    leaves = [[as_index[c] if as_index else c for c in leaf] for leaf in tree.leaves]
+    return RenderedTree(nodes, leaves)
+
+
+def _plain(text: str) -> str:
+    """`text` if it is printable ASCII (safe inside a Python or C literal and a comment), else InputError."""
+    if not (text.isascii() and text.isprintable()):
+        raise InputError(f"{text!r} is not printable ASCII; it cannot be rendered into generated code")
+    return text
+
+
+def _c_string(text: str) -> str:
+    return '"' + _plain(text).replace("\\", "\\\\").replace('"', '\\"').replace("?", "\\?") + '"'
+
+
+def _py_tuple(items: list[Any]) -> str:
+    """A Python tuple literal of ints: (1,) for one item, () for none."""
+    return "(" + ", ".join(str(i) for i in items) + ("," if len(items) == 1 else "") + ")"
+
+
+def _environment() -> jinja2.Environment:
+    env = jinja2.Environment(
+        loader=jinja2.PackageLoader("gemv_dispatch.dispatch", "templates"),
+        undefined=jinja2.StrictUndefined,  # a missing value is an error, never an empty string in code
+        keep_trailing_newline=True,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        autoescape=False,  # code, not HTML
+    )
+    env.filters.update(c_string=_c_string, c_comment=lambda t: _plain(t).replace("*/", "* /"), py_tuple=_py_tuple,
+                       py_string=lambda t: json.dumps(_plain(t)))
+    return env
+
+
+def context(policy: Policy, inventories: str) -> dict[str, Any]:
+    """Everything the templates render, as plain sorted data (the source of determinism)."""
+    if (features.IDENTITY_FEATURES, features.LAUNCH_FEATURES) != (RENDERED_IDENTITY_FEATURES,
+                                                                     RENDERED_LAUNCH_FEATURES):
+        raise InputError("dispatch.features changed: the templates implement "
+                         f"{RENDERED_LAUNCH_FEATURES}, the policy code {features.LAUNCH_FEATURES}")
+    candidates = registry.CANDIDATES
+    index = {c.id: i for i, c in enumerate(candidates)}
+    codebooks = list(policy.codebooks)
+    cb_index = {cb: i for i, cb in enumerate(codebooks)}
+    mode_index = {m: i for i, m in enumerate(features.MODES)}
+    source = policy.source
+    digests = {"policy": policy.digest, "corpus": str(source.get("corpus_manifest_sha256")),
+               "kernels": str(source.get("kernel_digest")), "inventories": inventories}
+    return {
+        "tool_version": __version__,
+        "gpu_name": str(source.get("gpu_name")),
+        "gpu_slug": gpu_slug(str(source.get("gpu_name"))),
+        "sm_count": policy.sm_count,
+        "digests": digests,
+        "block": BLOCK,
+        "scale": features.SCALE,
+        "wave_outputs": features.WAVE_OUTPUTS,
+        "row_tile_cap": registry.ROW_TILES[-1],
+        "max_accumulators": registry.MAX_ACCUMULATORS,
+        "mma_outputs": registry.MMA_OUTPUTS,
+        "max_cta_threads": 1024,
+        "shared_limit": registry.SHARED_MEMORY_LIMIT,
+        "modes": list(features.MODES),
+        "families": list(FAMILIES),
+        "identity_features": list(RENDERED_IDENTITY_FEATURES),
+        "launch_features": list(RENDERED_LAUNCH_FEATURES),
+        "codebooks": [(cb, [features.codebook_features(cb)[f] for f in features.CODEBOOK_FEATURES])
+                      for cb in codebooks],
+        "candidates": [(c.id, FAMILIES.index(c.family), c.ksplit, c.threads, c.cpt, c.mma_tiles) for c in candidates],
+        "canonical_wide": index[CANONICAL_WIDE],
+        # canonical(i, k) for i > 1: the dp4a kpar t128 c1 launches, in registry order (policy.canonical).
+        "canonical_kpar": [i for i, c in enumerate(candidates)
+                           if c.family == "kpar" and c.threads == 128 and c.cpt == 1 and not c.mma_tiles],
+        "identity_tree": _tree(policy.identity_tree, RENDERED_IDENTITY_FEATURES, None),
+        "launch_tree": _tree(policy.launch_tree, RENDERED_LAUNCH_FEATURES, index),
+        "identity_overlays": sorted((cb_index[cb], n, k, ident)
+                                    for (cb, n, k), ident in policy.identity_overlays.items()),
+        "launch_overlays": sorted((cb_index[cb], m, n, k, mode_index[mode], index[cand])
+                                  for (cb, m, n, k, mode), cand in policy.launch_overlays.items()),
+        "c_max_dim": C_MAX_DIM,
+    }
+
+
+def render(policy: Policy, inventories: str | None = None) -> dict[str, bytes]:
+    """{MODULE: bytes, HEADER: bytes} for `policy`; `inventories` defaults to the shipped inventories' digest."""
+    ctx = context(policy, inventories or inventories_digest())
+    env = _environment()
+    return {MODULE: env.get_template("dispatch_table.py.j2").render(ctx).encode(),
+            HEADER: env.get_template("dispatch_table.h.j2").render(ctx).encode()}
+
+
+def check_binding(rendered: Mapping[str, bytes], cert: Mapping[str, Any], where: str) -> None:
+    """InputError unless the certificate passed and binds exactly these rendered files."""
+    bound = cert.get("digests", {}).get("artifacts", {})
+    want = {name: sha256(data) for name, data in rendered.items()}
+    if bound != want:
+        raise InputError(f"{where}: the certificate was made for other module bytes (another policy, tool version "
+                         f"or inventories): certify this policy again")
+    if cert.get("passed") is not True:
+        failed = sorted(n for n, c in cert.get("checks", {}).items() if c.get("result") == "fail")
+        raise InputError(f"{where}: the certificate records failed checks: {', '.join(failed) or 'incomplete'}")
+
+
+def write(folder: Path, rendered: Mapping[str, bytes], cert: Mapping[str, Any]) -> Path:
+    """Write the rendered files and the certificate into `folder` (created), each file replaced atomically."""
+    check_binding(rendered, cert, str(folder))
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, data in {**rendered, CERTIFICATE: certificate_bytes(cert)}.items():
+        path = folder / name
+        tmp = folder / f".{name}.tmp"
+        try:
+            tmp.write_bytes(data)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+    return folder
+
+
+def generate(policy: Policy, cert_path: Path, folder: Path) -> Path:
+    """`gemv-dispatch generate`: render `policy`, check that the certificate binds the result, write both."""
+    try:
+        data = cert_path.read_bytes()
+    except FileNotFoundError:
+        raise InputError(f"{cert_path}: no such certificate (run `gemv-dispatch certify` first)") from None
+    cert = read_certificate(data, str(cert_path))
+    return write(folder, render(policy), cert)
