@@ -5,13 +5,22 @@
         line 1:  {"format", "provenance": {...}, "provenance_key", "records": count}
         then:    one Record per line, sorted, canonical JSON (sorted keys, no spaces)
 
-A shard's name is its provenance key and a prefix of its own SHA-256, so the same content always gets the
-same name and a shard is never rewritten. The manifest is the commit point: a shard counts once the manifest
-lists it. Every file is written atomically (temp file in the same folder, fsync, rename, fsync the folder).
-Writers hold an exclusive flock on the GPU folder, readers a shared one, so parallel sweep processes (one per
-device) can append to one folder. A crash can leave only (a) a stale temp file, (b) a complete shard the
-manifest does not list yet, (c) files of `retired` shards that compaction had not deleted yet; `recover()`,
-run by every writer first, removes (a) and (c) and adopts (b) after validating it.
+A shard's name is its provenance key and the first 16 hex digits of its own SHA-256, so the same content
+always gets the same name, a shard is never rewritten, and a shard outside the manifest can still be checked
+against what its name promises. The manifest is the commit point: `load` reads only what it lists and
+refuses any other shard. Every file is written atomically (temp file in the same folder, fsync, rename,
+fsync the folder).
+
+A sweep *stages* one shard per finished cell (written, not yet listed: no manifest rewrite per cell) and
+adopts them at its end; `recover` and `compact` adopt staged shards too. Adoption checks each shard's name
+against its bytes and validates every record as user input, so a damaged file is never adopted.
+
+Writers that change the manifest (`write_shard`, `recover`, `compact`) hold an exclusive flock on the GPU
+folder; stagers and readers hold a shared one, so the sweep processes of several devices stage into one
+folder side by side. A crash can leave only (a) a stale temp file, (b) complete staged shards, (c) files of
+`retired` shards that compaction had not deleted yet; recovery removes (a) and (c) and adopts (b). Every
+command that changes files first reads and validates everything it needs in memory, then writes: a command
+that fails leaves every file as it was.
 """
 
 from __future__ import annotations
@@ -20,20 +29,25 @@ import contextlib
 import dataclasses
 import fcntl
 import hashlib
+import itertools
 import json
+import math
+import operator
 import os
 import re
-import tempfile
+import shutil
 import types
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, fields
-from functools import cached_property
+from functools import cache, cached_property, lru_cache
 from pathlib import Path
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
+from gemv_dispatch.dispatch.files import write_atomic
 from gemv_dispatch.dispatch.timing import Stats, TimingConfig
-from gemv_dispatch.kernels.errors import InputError
-from gemv_dispatch.kernels.registry import Candidate
+from gemv_dispatch.kernels.codebooks import CODEBOOKS
+from gemv_dispatch.kernels.errors import BLOCK, EnvironmentProblem, InputError
+from gemv_dispatch.kernels.registry import BY_ID, Candidate, candidates_for
 
 SHARD_FORMAT = "gemv-dispatch-shard/1"
 MANIFEST_FORMAT = "gemv-dispatch-corpus/1"
@@ -43,6 +57,8 @@ MODES = ("graph", "eager")
 # Read-outs that drift between runs on the same device; they are recorded but kept out of the key, so a
 # resumed sweep on the same GPU, sources and timing parameters still matches its earlier cells.
 VOLATILE = ("sm_clock_mhz", "mem_clock_mhz")
+SHARD_NAME = re.compile(r"([0-9a-f]{16})-([0-9a-f]{16})\.jsonl")
+COMPACTION_SPACE = 2  # free space compaction asks for, in multiples of the shards' size (new + margin)
 
 
 def _canonical(obj: Any) -> str:
@@ -53,33 +69,56 @@ def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _is_a(value: Any, hint: Any) -> bool:
-    """isinstance for the field annotations used here (int, float, str, bool, X | None, dict[..])."""
+def _checker(hint: Any) -> Callable[[Any], bool]:
+    """A predicate for the field annotations used here (int, float, str, bool, X | None, dict[..]); exact
+    types, so JSON true does not pass as 1 nor 1 as a float."""
     origin = get_origin(hint)
     if origin in (Union, types.UnionType):
-        return any(_is_a(value, arg) for arg in get_args(hint))
+        options = tuple(_checker(arg) for arg in get_args(hint))
+        return lambda value: any(ok(value) for ok in options)
     if origin is not None:
-        return isinstance(value, origin)
+        return lambda value: isinstance(value, origin)
     if hint is type(None):
-        return value is None
-    if hint is int:  # JSON true must not pass as 1
-        return isinstance(value, int) and not isinstance(value, bool)
-    return isinstance(value, hint)
+        return lambda value: value is None
+    return lambda value: type(value) is hint
+
+
+@dataclass(frozen=True)
+class _Schema:
+    """A dataclass's fields as JSON checks, resolved once per class (type hints are slow to resolve)."""
+
+    names: frozenset[str]
+    values: Callable[[dict[str, Any]], tuple[Any, ...]]  # the field values, in field order
+    types: tuple[type, ...] | None  # exact value types when no field is a union or generic: one C-level check
+    checks: tuple[tuple[str, Callable[[Any], bool], Any], ...]  # (name, predicate, hint) per field
+
+
+@cache
+def _schema(cls: type) -> _Schema:
+    every = get_type_hints(cls)
+    hints = {f.name: every[f.name] for f in fields(cls)}
+    exact = all(isinstance(h, type) and get_origin(h) is None for h in hints.values())
+    return _Schema(frozenset(hints), operator.itemgetter(*hints), tuple(hints.values()) if exact else None,
+                   tuple((name, _checker(hint), hint) for name, hint in hints.items()))
 
 
 def _from_dict(cls: Any, data: Any, where: str) -> Any:
     """Build dataclass `cls` from a JSON object, insisting on exactly its fields with their types."""
-    if not isinstance(data, dict):
+    if type(data) is not dict:
         raise InputError(f"{where}: expected a JSON object, got {type(data).__name__}")
-    names = [f.name for f in fields(cls)]
-    missing, extra = sorted(set(names) - set(data)), sorted(set(data) - set(names))
-    if missing or extra:
+    schema = _schema(cls)
+    if data.keys() != schema.names:
+        missing, extra = sorted(schema.names - data.keys()), sorted(data.keys() - schema.names)
         raise InputError(f"{where}: missing fields {missing}, unexpected fields {extra}")
-    hints = get_type_hints(cls)
-    for name in names:
-        if not _is_a(data[name], hints[name]):
-            raise InputError(f"{where}: field {name!r} must be {hints[name]}, got {data[name]!r}")
-    return cls(**data)
+    if schema.types is None or tuple(map(type, schema.values(data))) != schema.types:
+        for name, ok, hint in schema.checks:
+            if not ok(data[name]):
+                raise InputError(f"{where}: field {name!r} must be {hint}, got {data[name]!r}")
+    # Every field checked and none has a __post_init__: filling __dict__ is what the frozen __init__ would
+    # do, at a fraction of the cost (it matters at tens of thousands of records per load).
+    obj = object.__new__(cls)
+    obj.__dict__.update(data)
+    return obj
 
 
 def timing_parameters(config: TimingConfig) -> dict[str, Any]:
@@ -132,6 +171,25 @@ class Cell:
         return f"{self.codebook} M={self.m} N={self.n} K={self.k} {self.mode}"
 
 
+@lru_cache(maxsize=8192)
+def cell_candidates(m: int, n: int, k: int) -> Mapping[str, tuple[str, int]]:
+    """Candidate id -> (family, identity) of every candidate a sweep times for (M, N, K): what a complete
+    cell holds and what a record of the cell may name."""
+    return types.MappingProxyType({c.id: (c.family, c.identity(k)) for c in candidates_for(m, n, k)})
+
+
+@lru_cache(maxsize=8192)
+def _cell_rules(codebook: str, m: int, n: int, k: int, mode: str) -> str | Mapping[str, tuple[str, int]]:
+    """Why a cell cannot exist, or its `cell_candidates`: checked once per cell, not per record."""
+    if mode not in MODES:
+        return f"mode must be one of {', '.join(MODES)}, got {mode!r}"
+    if codebook not in CODEBOOKS:
+        return f"unknown codebook {codebook!r}"
+    if m < 1 or n < 1 or k < BLOCK or k % BLOCK:
+        return f"M={m}, N={n}, K={k} is not a GEMV shape (M, N >= 1, K a multiple of {BLOCK})"
+    return cell_candidates(m, n, k)
+
+
 @dataclass(frozen=True)
 class Record:
     """One candidate's timing in one cell."""
@@ -170,30 +228,60 @@ class Record:
                      self.dropped)
 
     @property
-    def ident(self) -> tuple[Cell, str, str]:
-        """What makes two records duplicates: same cell, candidate and provenance."""
-        return self.cell, self.candidate, self.provenance
+    def ident(self) -> tuple[str, int, int, int, str, str, str]:
+        """What makes two records duplicates: cell, candidate and provenance, flat so that it sorts fast (in
+        the order of (Cell, candidate, provenance))."""
+        return self.codebook, self.m, self.n, self.k, self.mode, self.candidate, self.provenance
 
     def to_json(self) -> str:
         return _canonical(dataclasses.asdict(self))
 
+    def problem(self) -> str | None:
+        """What makes this record impossible (the checks applied to user input), or None."""
+        rules = _cell_rules(self.codebook, self.m, self.n, self.k, self.mode)
+        if type(rules) is str:
+            return rules
+        expected = rules.get(self.candidate)
+        if expected is None:
+            if self.candidate not in BY_ID:
+                return f"unknown candidate {self.candidate!r}"
+            return f"candidate {self.candidate} is not timed for {self.cell}: " + (
+                BY_ID[self.candidate].invalid_reason(self.m, self.n, self.k) or "not a normalized spelling")
+        if (self.family, self.identity) != expected:
+            return (f"candidate {self.candidate} is family {expected[0]}, identity {expected[1]} at K={self.k}, "
+                    f"not {self.family}, {self.identity}")
+        # Chained comparisons: a NaN fails every one, an infinity the bound.
+        if not 0 < self.p5_us <= self.median_us <= self.p95_us < math.inf:
+            times = self.p5_us, self.median_us, self.p95_us
+            return f"times must be finite, positive and p5 <= median <= p95, got {times}"
+        if not 0 <= self.mad_us < math.inf:
+            return f"mad_us must be finite and >= 0, got {self.mad_us}"
+        if min(self.samples, self.replays, self.copies) < 1:
+            return f"samples, replays and copies must be >= 1, got {self.samples}, {self.replays}, {self.copies}"
+        return None
+
     @classmethod
     def from_dict(cls, data: Any, where: str) -> Record:
         record = _from_dict(cls, data, where)
-        if record.mode not in MODES:
-            raise InputError(f"{where}: mode must be one of {', '.join(MODES)}, got {record.mode!r}")
+        problem = record.problem()
+        if problem is not None:
+            raise InputError(f"{where}: {problem}")
         return record
 
 
 def _combine(records: Iterable[Record]) -> list[Record]:
     """Sorted, one record per (cell, candidate, provenance); of duplicates the smallest JSON wins, so
     the result does not depend on which shard came first."""
-    chosen: dict[tuple[Cell, str, str], tuple[str, Record]] = {}
-    for r in records:
-        text, old = r.to_json(), chosen.get(r.ident)
-        if old is None or text < old[0]:
-            chosen[r.ident] = (text, r)
-    return [chosen[i][1] for i in sorted(chosen)]
+    records = list(records)
+    idents = [r.ident for r in records]
+    if all(a < b for a, b in itertools.pairwise(idents)):  # one compacted shard: already sorted, no duplicates
+        return records
+    chosen: dict[tuple[str, int, int, int, str, str, str], Record] = {}
+    for i, r in zip(idents, records, strict=True):
+        old = chosen.setdefault(i, r)
+        if old is not r and r != old and r.to_json() < old.to_json():  # JSON only for real duplicates
+            chosen[i] = r
+    return [chosen[i] for i in sorted(chosen)]
 
 
 def gpu_slug(name: str) -> str:
@@ -206,30 +294,6 @@ def gpu_slug(name: str) -> str:
 
 # ---------------------------------------------------------------------------------------------------------
 # Files
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    """A reader sees the old file or the whole new one; an error leaves neither a temp nor a partial file."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as out:
-            out.write(data)
-            out.flush()
-            os.fsync(out.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp makes it owner-only; the corpus is shared data
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)  # the rename itself survives a power cut only once the folder is synced
-
-
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 @contextlib.contextmanager
@@ -257,7 +321,7 @@ class ShardEntry:
 
 @dataclass(frozen=True)
 class Manifest:
-    shards: dict[str, ShardEntry]
+    shards: Mapping[str, ShardEntry]
     retired: tuple[str, ...] = ()  # compacted away; their files may still exist until deleted
 
     def to_bytes(self) -> bytes:
@@ -275,7 +339,7 @@ def _read_manifest(folder: Path) -> Manifest:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise InputError(f"{folder}: not a corpus folder (no {MANIFEST})") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise InputError(f"{path}: unreadable manifest ({err})") from None
     if not isinstance(data, dict) or data.get("format") != MANIFEST_FORMAT:
         raise InputError(f"{path}: not a {MANIFEST_FORMAT} manifest")
@@ -286,15 +350,17 @@ def _read_manifest(folder: Path) -> Manifest:
     return Manifest(entries, tuple(retired))
 
 
-def _write_manifest(folder: Path, manifest: Manifest) -> None:
-    _write_atomic(folder / MANIFEST, manifest.to_bytes())
-
-
 @dataclass(frozen=True)
 class Shard:
     name: str
     provenance: Provenance
     records: tuple[Record, ...]
+    sha256: str
+    size: int  # bytes on disk
+
+    @property
+    def entry(self) -> ShardEntry:
+        return ShardEntry(self.sha256, len(self.records))
 
 
 def _shard_bytes(provenance: Provenance, records: list[Record]) -> bytes:
@@ -307,50 +373,146 @@ def _shard_name(provenance: Provenance, sha256: str) -> str:
     return f"{provenance.key}-{sha256[:16]}.jsonl"
 
 
-def _parse_shard(path: Path, data: bytes) -> Shard:
-    """Header and records of a shard's bytes; anything malformed raises InputError naming the file."""
+def _json_rows(path: Path, body: str) -> list[Any]:
+    """The JSON value of every line of `body` (newline-terminated lines), parsed in one call."""
     try:
-        lines = data.decode("utf-8").split("\n")
+        return json.loads("[" + body[:-1].replace("\n", ",") + "]") if body else []
+    except json.JSONDecodeError:
+        pass
+    for i, line in enumerate(body[:-1].split("\n"), start=2):  # name the first bad line
+        try:
+            json.loads(line)
+        except json.JSONDecodeError as err:
+            raise InputError(f"{path}: malformed shard line {i} ({err})") from None
+    raise InputError(f"{path}: malformed shard")
+
+
+def _records(path: Path, rows: list[Any]) -> tuple[Record, ...]:
+    """Record.from_dict of every row (line 2 onwards), its common path inlined: loads run it per record."""
+    schema, new, out = _schema(Record), object.__new__, []
+    for row in rows:
+        if type(row) is not dict or row.keys() != schema.names:
+            break
+        if tuple(map(type, schema.values(row))) != schema.types:
+            break
+        record = new(Record)
+        record.__dict__.update(row)
+        if record.problem() is not None:
+            break
+        out.append(record)
+    else:
+        return tuple(out)
+    line = len(out) + 2
+    Record.from_dict(rows[line - 2], f"{path}: line {line}")  # raises, naming what is wrong
+    raise AssertionError("unreachable: the row failed the inlined checks")
+
+
+def _parse_shard(path: Path, data: bytes) -> Shard:
+    """A shard's bytes checked against its name and validated record by record; anything wrong raises
+    InputError naming the file."""
+    sha = _sha256(data)
+    named = SHARD_NAME.fullmatch(path.name)
+    if named is None:
+        raise InputError(f"{path}: not a shard name (<provenance key>-<sha256 prefix>.jsonl)")
+    if named[2] != sha[:16]:
+        raise InputError(f"{path}: SHA-256 {sha[:16]}… differs from the {named[2]}… its name promises "
+                         "(truncated or altered shard)")
+    try:
+        text = data.decode("utf-8")
     except UnicodeDecodeError:
         raise InputError(f"{path}: shard is not UTF-8 text") from None
-    if len(lines) < 2 or lines[-1] != "":
+    if not text.endswith("\n"):
         raise InputError(f"{path}: shard does not end with a newline (truncated?)")
+    first, _, body = text.partition("\n")
     try:
-        rows = [json.loads(line) for line in lines[:-1]]
+        header = json.loads(first)
     except json.JSONDecodeError as err:
-        raise InputError(f"{path}: malformed shard line ({err})") from None
-    header = rows[0]
+        raise InputError(f"{path}: malformed shard header ({err})") from None
     if not isinstance(header, dict) or header.get("format") != SHARD_FORMAT:
         raise InputError(f"{path}: first line is not a {SHARD_FORMAT} header")
     provenance = Provenance.from_dict(header.get("provenance"), f"{path}: provenance")
-    if header.get("provenance_key") != provenance.key:
-        raise InputError(f"{path}: header key {header.get('provenance_key')!r} does not match its "
+    if header.get("provenance_key") != provenance.key or named[1] != provenance.key:
+        raise InputError(f"{path}: header key {header.get('provenance_key')!r} and name do not both match its "
                          f"provenance ({provenance.key})")
-    records = tuple(Record.from_dict(row, f"{path}: line {i}") for i, row in enumerate(rows[1:], start=2))
+    records = _records(path, _json_rows(path, body))
     if header.get("records") != len(records):
         raise InputError(f"{path}: header announces {header.get('records')!r} records, found {len(records)}")
     stray = next((r for r in records if r.provenance != provenance.key), None)
     if stray is not None:
         raise InputError(f"{path}: record of {stray.cell} refers to provenance {stray.provenance}, "
                          f"not the header's {provenance.key}")
-    return Shard(path.name, provenance, records)
+    return Shard(path.name, provenance, records, sha, len(data))
 
 
-def _read_shard(path: Path, entry: ShardEntry) -> Shard:
-    data = path.read_bytes()
-    actual = _sha256(data)
-    if actual != entry.sha256:
-        raise InputError(f"{path}: SHA-256 {actual[:16]}… differs from the manifest's {entry.sha256[:16]}… "
-                         "(truncated or altered shard)")
-    shard = _parse_shard(path, data)
-    if len(shard.records) != entry.records:
+def _read_shard(path: Path, entry: ShardEntry | None = None) -> Shard:
+    """A shard file, verified against its name and, when listed, its manifest entry."""
+    shard = _parse_shard(path, path.read_bytes())
+    if entry is not None and shard.sha256 != entry.sha256:
+        raise InputError(f"{path}: SHA-256 {shard.sha256[:16]}… differs from the manifest's "
+                         f"{entry.sha256[:16]}… (truncated or altered shard)")
+    if entry is not None and len(shard.records) != entry.records:
         raise InputError(f"{path}: {len(shard.records)} records, the manifest says {entry.records}")
     return shard
 
 
-def _shard_files(folder: Path) -> set[str]:
+# ---------------------------------------------------------------------------------------------------------
+# The state of a folder, read and verified in memory before anything is written
+
+
+@dataclass(frozen=True)
+class _Folder:
+    manifest: Manifest
+    listed: tuple[Shard, ...]
+    staged: tuple[Shard, ...]  # complete shards outside the manifest, verified: adopted by the next writer
+    temps: tuple[str, ...]  # stale temp files of interrupted writes
+    retired: tuple[str, ...]  # files of compacted-away shards still present
+
+    @property
+    def shards(self) -> tuple[Shard, ...]:
+        return tuple(sorted(self.listed + self.staged, key=lambda s: s.name))
+
+    @property
+    def settled(self) -> bool:
+        """Nothing for recovery to do."""
+        return not (self.staged or self.temps or self.retired or self.manifest.retired)
+
+    def adopted(self) -> Manifest:
+        return Manifest({**self.manifest.shards, **{s.name: s.entry for s in self.staged}})
+
+    def actions(self) -> list[str]:
+        return ([f"removed unfinished temp file {name}" for name in self.temps]
+                + [f"removed compacted shard {name}" for name in self.retired]
+                + [f"adopted shard {s.name} written before the manifest listed it" for s in self.staged])
+
+
+def _scan(folder: Path, *, adopt: bool) -> _Folder:
+    """Read the manifest and every shard it lists (and, with `adopt`, every staged one); a lock held.
+    Without `adopt`, a shard outside the manifest is refused."""
+    manifest = _read_manifest(folder)
     shards = folder / SHARDS
-    return {p.name for p in shards.glob("*.jsonl")} if shards.is_dir() else set()
+    names = {p.name for p in shards.iterdir()} if shards.is_dir() else set()
+    files = {n for n in names if n.endswith(".jsonl") and not n.startswith(".")}
+    unlisted = sorted(files - set(manifest.shards) - set(manifest.retired))
+    if unlisted and not adopt:
+        raise InputError(f"{shards / unlisted[0]}: shard is not in the manifest (a sweep in progress, or one "
+                         "interrupted: `gemv-dispatch corpus compact` adopts complete shards)")
+    absent = sorted(set(manifest.shards) - files)
+    if absent:
+        raise InputError(f"{shards / absent[0]}: listed in the manifest but missing")
+    return _Folder(
+        manifest,
+        tuple(_read_shard(shards / n, manifest.shards[n]) for n in sorted(manifest.shards)),
+        tuple(_read_shard(shards / n) for n in unlisted),
+        tuple(sorted(n for n in names if n.startswith(".") and n.endswith(".tmp"))),
+        tuple(sorted(set(manifest.retired) & files)),
+    )
+
+
+def _settle(folder: Path, state: _Folder, manifest: Manifest) -> None:
+    """Write `manifest`, then delete what it no longer needs (temps, retired files); a lock held."""
+    write_atomic(folder / MANIFEST, manifest.to_bytes())
+    for name in state.temps + state.retired:
+        (folder / SHARDS / name).unlink(missing_ok=True)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -362,85 +524,110 @@ def init(folder: Path) -> None:
     (folder / SHARDS).mkdir(parents=True, exist_ok=True)
     with _locked(folder):
         if not (folder / MANIFEST).exists():
-            _write_manifest(folder, Manifest({}))
+            write_atomic(folder / MANIFEST, Manifest({}).to_bytes())
 
 
-def _write_shard_file(folder: Path, provenance: Provenance, records: list[Record]) -> tuple[str, ShardEntry]:
-    """Write one shard file (unless present: same name, same bytes), not yet listed; lock held."""
-    data = _shard_bytes(provenance, records)
-    sha = _sha256(data)
-    name = _shard_name(provenance, sha)
-    path = folder / SHARDS / name
-    if not path.exists():
-        _write_atomic(path, data)
-    return name, ShardEntry(sha, len(records))
-
-
-def write_shard(folder: Path, provenance: Provenance, records: Iterable[Record]) -> str:
-    """Append one shard of `records` (all of `provenance`) to the corpus; returns its file name."""
+def _shard_of(provenance: Provenance, records: Iterable[Record]) -> tuple[str, bytes]:
+    """Name and bytes of the shard holding `records` (all of `provenance`, each valid)."""
     records = _combine(records)
     if not records:
         raise ValueError("a shard needs at least one record")
-    if any(r.provenance != provenance.key for r in records):
-        raise ValueError(f"every record of a shard must refer to provenance {provenance.key}")
-    with _locked(folder):
-        name, entry = _write_shard_file(folder, provenance, records)
-        manifest = _read_manifest(folder)
-        _write_manifest(folder, Manifest({**manifest.shards, name: entry}, manifest.retired))
+    bad = next((r for r in records if r.provenance != provenance.key or r.problem()), None)
+    if bad is not None:
+        raise ValueError(f"record {bad.to_json()} cannot be stored under provenance {provenance.key}: "
+                         f"{bad.problem() or 'another provenance'}")
+    data = _shard_bytes(provenance, records)
+    return _shard_name(provenance, _sha256(data)), data
+
+
+def _put(folder: Path, name: str, data: bytes) -> bool:
+    """Write a shard file unless present (same name, same bytes); True when written."""
+    path = folder / SHARDS / name
+    if path.exists():
+        return False
+    write_atomic(path, data)
+    return True
+
+
+def stage_shard(folder: Path, provenance: Provenance, records: Iterable[Record]) -> str:
+    """Write one shard without listing it (no manifest rewrite): the next `recover` or `compact` adopts it,
+    `load` refuses the folder until then. Returns its file name."""
+    name, data = _shard_of(provenance, records)
+    with _locked(folder, shared=True):  # recovery (exclusive) must not remove our temp file mid-write
+        _put(folder, name, data)
     return name
 
 
-def recover(folder: Path) -> list[str]:
-    """Finish what an interrupted writer left; returns one line per action taken (see module docstring)."""
+def write_shard(folder: Path, provenance: Provenance, records: Iterable[Record]) -> str:
+    """Append one shard of `records` (all of `provenance`) to the corpus, listed; returns its file name."""
+    name, data = _shard_of(provenance, records)
+    with _locked(folder):
+        manifest = _read_manifest(folder)
+        _put(folder, name, data)
+        entry = ShardEntry(_sha256(data), data.count(b"\n") - 1)
+        write_atomic(folder / MANIFEST, Manifest({**manifest.shards, name: entry}, manifest.retired).to_bytes())
+    return name
+
+
+def recover(folder: str | os.PathLike[str], *, kernel_digest: str | None = None, gpu_uuid: str | None = None,
+            gpu_name: str | None = None) -> tuple[Corpus, list[str]]:
+    """Finish what interrupted writers left (module docstring) and return the corpus (verified as by `load`)
+    with one line per action taken. Every shard is verified before the manifest changes."""
+    folder = Path(folder)
     _require(folder)
     with _locked(folder):
-        return _recover(folder)
+        state = _scan(folder, adopt=True)
+        loaded = _verified(folder, state.shards, kernel_digest=kernel_digest, gpu_uuid=gpu_uuid,
+                           gpu_name=gpu_name)
+        if not state.settled:
+            _settle(folder, state, state.adopted())
+    return loaded, state.actions()
 
 
-def _recover(folder: Path) -> list[str]:
-    """recover() with the lock held."""
-    actions: list[str] = []
-    manifest = _read_manifest(folder)
-    shards = folder / SHARDS
-    for tmp in sorted(shards.glob(".*.tmp")):  # writers hold the lock, so no temp is in progress
-        tmp.unlink()
-        actions.append(f"removed unfinished temp file {tmp.name}")
-    files = _shard_files(folder)
-    for name in sorted(set(manifest.retired) & files):
-        (shards / name).unlink()
-        actions.append(f"removed compacted shard {name}")
-    adopted = dict(manifest.shards)
-    for name in sorted(files - set(manifest.shards) - set(manifest.retired)):
-        data = (shards / name).read_bytes()
-        shard = _parse_shard(shards / name, data)  # renamed only when complete, but check anyway
-        adopted[name] = ShardEntry(_sha256(data), len(shard.records))
-        actions.append(f"adopted shard {name} written before an interruption")
-    if actions or manifest.retired:
-        _write_manifest(folder, Manifest(adopted))
-    return actions
+def _merged(corpus: Corpus) -> dict[str, bytes]:
+    """Name -> bytes of one shard per provenance holding all of its records."""
+    by_key: dict[str, list[Record]] = {}
+    for r in corpus.records:
+        by_key.setdefault(r.provenance, []).append(r)
+    return dict(_shard_of(corpus.provenances[key], recs) for key, recs in sorted(by_key.items()))
 
 
-def compact(folder: Path) -> tuple[int, int]:
-    """Merge each provenance's shards into one deterministic shard; returns (shards before, after).
+def compact(folder: str | os.PathLike[str]) -> tuple[int, int]:
+    """Adopt staged shards and merge each provenance's shards into one deterministic shard; returns the
+    number of shards (before, after). Nothing is written when the folder is already compact.
 
-    Order: write the merged shards, then the manifest listing them with the old ones `retired`, then delete
-    the old files and clear `retired`. A crash at any point leaves a corpus that loads the same records."""
+    Everything is read and verified first, free space checked (COMPACTION_SPACE x the shards' size), then:
+    write the merged shards, then the manifest listing them with the old ones `retired`, then delete the old
+    files and clear `retired`. A failure before the manifest is written removes the new files again; a crash
+    after it leaves a corpus that loads the same records."""
     folder = Path(folder)
     _require(folder)
     with _locked(folder):  # one exclusive hold: a concurrent compaction cannot retire the same shards
-        _recover(folder)
-        manifest, shards = _read_shards(folder)
-        corpus = _verified(folder, shards)
-        records: dict[str, list[Record]] = {}
-        for r in corpus.records:
-            records.setdefault(r.provenance, []).append(r)
-        merged = dict(_write_shard_file(folder, corpus.provenances[key], recs) for key, recs in sorted(records.items()))
-        retired = tuple(s.name for s in shards if s.name not in merged)
-        kept = {**{n: e for n, e in manifest.shards.items() if n not in retired}, **merged}
-        _write_manifest(folder, Manifest(kept, retired))
+        state = _scan(folder, adopt=True)
+        shards = state.shards
+        merged = _merged(_verified(folder, shards))
+        if state.settled and set(merged) == {s.name for s in shards}:
+            return len(shards), len(shards)
+        need = COMPACTION_SPACE * sum(s.size for s in shards)
+        free = shutil.disk_usage(folder).free
+        if free < need:
+            raise EnvironmentProblem(f"{folder}: compaction needs about {need / 1e6:.1f} MB free, "
+                                     f"{free / 1e6:.1f} MB available")
+        written: list[str] = []
+        try:
+            for name, data in merged.items():
+                if _put(folder, name, data):
+                    written.append(name)
+            retired = tuple(s.name for s in shards if s.name not in merged)
+            kept = {name: ShardEntry(_sha256(data), data.count(b"\n") - 1) for name, data in merged.items()}
+            write_atomic(folder / MANIFEST, Manifest(kept, retired + state.manifest.retired).to_bytes())
+        except BaseException:
+            for name in written:
+                (folder / SHARDS / name).unlink(missing_ok=True)
+            raise
         for name in retired:
-            (folder / SHARDS / name).unlink()
-        _write_manifest(folder, Manifest(kept))
+            (folder / SHARDS / name).unlink(missing_ok=True)
+        _settle(folder, state, Manifest(kept))
     return len(shards), len(kept)
 
 
@@ -453,7 +640,7 @@ class Corpus:
     folder: Path
     shards: tuple[Shard, ...]
     provenances: Mapping[str, Provenance]
-    records: tuple[Record, ...]  # sorted by (cell, candidate, provenance), one per such key
+    records: tuple[Record, ...]  # sorted by Record.ident, one per such key
 
     def cells(self) -> list[Cell]:
         return sorted(self._by_cell)
@@ -462,8 +649,14 @@ class Corpus:
         return list(self._by_cell.get(cell, ()))
 
     def done_cells(self, provenance_key: str) -> set[Cell]:
-        """Cells measured under this provenance (a cell's shard is all-or-nothing, so done = present)."""
-        return {r.cell for r in self.records if r.provenance == provenance_key}
+        """Cells complete under this provenance: a record (measured or dropped by racing) for every candidate
+        a sweep times there (`cell_candidates`). A cell missing any is not done and is timed again."""
+        done = set()
+        for cell, records in self._by_cell.items():
+            have = {r.candidate for r in records if r.provenance == provenance_key}
+            if have and have.issuperset(cell_candidates(cell.m, cell.n, cell.k)):
+                done.add(cell)
+        return done
 
     @cached_property
     def _by_cell(self) -> dict[Cell, list[Record]]:
@@ -475,28 +668,15 @@ class Corpus:
 
 def load(folder: str | os.PathLike[str], *, kernel_digest: str | None = None, gpu_uuid: str | None = None,
          gpu_name: str | None = None) -> Corpus:
-    """Read and verify a corpus folder: every shard's hash against the manifest, no unlisted shard, no
-    listed shard missing, one GPU model and one kernel digest throughout (each equal to the requested one,
-    if given; gpu_uuid, if given, for every shard). Duplicates collapse deterministically."""
+    """Read and verify a corpus folder: every shard's hash against the manifest and its name, every record
+    valid, no unlisted shard, no listed shard missing, one GPU model and one kernel digest throughout (each
+    equal to the requested one, if given; gpu_uuid, if given, for every shard). Duplicates collapse
+    deterministically."""
     folder = Path(folder)
     _require(folder)
     with _locked(folder, shared=True):
-        _, shards = _read_shards(folder)
-    return _verified(folder, shards, kernel_digest=kernel_digest, gpu_uuid=gpu_uuid, gpu_name=gpu_name)
-
-
-def _read_shards(folder: Path) -> tuple[Manifest, tuple[Shard, ...]]:
-    """The manifest and every listed shard, each checked against it; a lock held."""
-    manifest = _read_manifest(folder)
-    files = _shard_files(folder)
-    unlisted = sorted(files - set(manifest.shards) - set(manifest.retired))
-    if unlisted:
-        raise InputError(f"{folder / SHARDS / unlisted[0]}: shard is not in the manifest (left by an "
-                         "interrupted write? `gemv-dispatch corpus compact` adopts complete ones)")
-    absent = sorted(set(manifest.shards) - files)
-    if absent:
-        raise InputError(f"{folder / SHARDS / absent[0]}: listed in the manifest but missing")
-    return manifest, tuple(_read_shard(folder / SHARDS / n, manifest.shards[n]) for n in sorted(manifest.shards))
+        state = _scan(folder, adopt=False)
+    return _verified(folder, state.listed, kernel_digest=kernel_digest, gpu_uuid=gpu_uuid, gpu_name=gpu_name)
 
 
 def _verified(folder: Path, shards: tuple[Shard, ...], *, kernel_digest: str | None = None,

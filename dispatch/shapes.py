@@ -22,7 +22,6 @@ import json
 import math
 import os
 import re
-import tempfile
 import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -30,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from gemv_dispatch.dispatch import paths
+from gemv_dispatch.dispatch.files import write_atomic
 from gemv_dispatch.kernels.errors import BLOCK, InputError
 
 ROLES = ("q", "k", "v", "o", "qkv", "gate", "up", "gate_up", "down", "lm_head")
@@ -190,17 +190,7 @@ def write_inventory(inv: Inventory, path: StrPath) -> Path:
     path = Path(path)
     text = json.dumps(inv.to_dict(), sort_keys=True, indent=1) + "\n"
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as out:
-            out.write(text)
-            out.flush()
-            os.fsync(out.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp makes it owner-only; inventories are shared data
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(path, text.encode("utf-8"))
     return path
 
 

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import os
+import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from click.testing import CliRunner
@@ -98,18 +101,22 @@ def test_same_records_give_the_same_shard_and_nothing_is_rewritten(tmp_path):
     assert (folder / SHARDS / name).stat().st_mtime_ns == mtime
 
 
-def test_a_failure_mid_write_leaves_no_partial_shard(tmp_path, monkeypatch):
+def disk_full(*args: object) -> None:
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+@pytest.mark.parametrize("write", [write_shard, corpus.stage_shard])
+def test_a_failure_mid_write_names_the_shard_and_leaves_no_partial_file(tmp_path, monkeypatch, write):
     folder = new_folder(tmp_path)
     write_shard(folder, PROV, fake_records(cells()[0], PROV))
     before = tree(folder)
-
-    def broken_fsync(fd: int) -> None:
-        raise OSError("disk full")
-
-    monkeypatch.setattr(os, "fsync", broken_fsync)
-    with pytest.raises(OSError, match="disk full"):
-        write_shard(folder, PROV, fake_records(cells()[1], PROV))
+    monkeypatch.setattr(os, "fsync", disk_full)
+    with pytest.raises(OSError, match="No space left on device") as caught:
+        write(folder, PROV, fake_records(cells()[1], PROV))
     monkeypatch.undo()
+    # The destination, not the temp file: what the command line prints as "path: cause".
+    assert Path(caught.value.filename).parent == folder / SHARDS
+    assert not Path(caught.value.filename).name.startswith(".")
     assert tree(folder) == before
     assert len(load(folder).cells()) == 1
 
@@ -153,6 +160,8 @@ def test_shard_missing_from_the_manifest_and_manifest_entry_without_file(tmp_pat
     stray.write_bytes(path.read_bytes())
     with pytest.raises(InputError, match=r"stray\.jsonl: shard is not in the manifest"):
         load(folder)
+    with pytest.raises(InputError, match=r"stray\.jsonl: not a shard name"):  # and never adopted
+        corpus.recover(folder)
     stray.unlink()
     path.unlink()
     with pytest.raises(InputError, match=f"{path.name}: listed in the manifest but missing"):
@@ -209,7 +218,8 @@ def test_two_uuids_of_one_gpu_model_may_share_a_folder(tmp_path):
 
 def test_duplicates_collapse_and_compaction_is_deterministic_byte_for_byte(tmp_path):
     all_cells = cells()
-    retimed = [dataclasses.replace(r, median_us=r.median_us * 2) for r in fake_records(all_cells[0], PROV)]
+    retimed = [dataclasses.replace(r, median_us=r.median_us * 2, p95_us=r.p95_us * 2)
+               for r in fake_records(all_cells[0], PROV)]
     batches = [fake_records(c, PROV) for c in all_cells] + [retimed]
     a, b = new_folder(tmp_path, "a"), new_folder(tmp_path, "b")
     for batch in batches:
@@ -249,7 +259,7 @@ def test_recover_adopts_a_complete_orphan_and_removes_temps(tmp_path):
     (folder / SHARDS / ".x.jsonl.123.tmp").write_bytes(b"{partial")
     with pytest.raises(InputError, match="not in the manifest"):
         load(folder)
-    actions = corpus.recover(folder)
+    _, actions = corpus.recover(folder)
     assert len(actions) == 2
     loaded = load(folder)
     assert set(records) < set(loaded.records)
@@ -269,7 +279,7 @@ def test_a_crash_inside_compaction_loses_nothing(tmp_path, monkeypatch):
     folder = build_corpus(tmp_path, PROV, compact=False)
     records = load(folder).records
 
-    def crash(self: Path) -> None:
+    def crash(self: Path, missing_ok: bool = False) -> None:
         raise KeyboardInterrupt
 
     monkeypatch.setattr(Path, "unlink", crash)  # dies after the merged shard and manifest are written
@@ -309,3 +319,161 @@ def test_corpus_cli_errors_are_one_line(tmp_path, command):
     path.write_bytes(path.read_bytes()[:-1])
     result = CliRunner().invoke(main, ["corpus", command, str(folder)])
     assert result.exit_code == 2 and path.name in result.stderr and result.stderr.count("\n") == 1
+
+
+# --- integrity: nothing corrupt is adopted or loaded (issue 8) ------------------------------------------
+
+def shard_with(folder: Path, rows: list[dict], provenance: Provenance = PROV, listed: bool = True) -> Path:
+    """A shard holding `rows` as given, named after its own bytes (as a writer names it), listed or not."""
+    header = {"format": corpus.SHARD_FORMAT, "provenance": provenance.to_dict(), "provenance_key": provenance.key,
+              "records": len(rows)}
+    data = "".join(json.dumps(x, sort_keys=True, separators=(",", ":")) + "\n" for x in [header, *rows]).encode()
+    sha = hashlib.sha256(data).hexdigest()
+    path = folder / SHARDS / f"{provenance.key}-{sha[:16]}.jsonl"
+    path.write_bytes(data)
+    if listed:
+        manifest = json.loads((folder / MANIFEST).read_text())
+        manifest["shards"][path.name] = {"sha256": sha, "records": len(rows)}
+        (folder / MANIFEST).write_text(json.dumps(manifest))
+    return path
+
+
+def good_row(**change: object) -> dict:
+    cell = Cell("Q4_1", 16, 256000, 2304, "graph")
+    return {**json.loads(fake_records(cell, PROV)[0].to_json()), **change}
+
+
+def test_recovery_refuses_a_shard_whose_bytes_differ_from_its_name(tmp_path):
+    """Issue 8, case 1: one flipped byte (K 2304 -> 2307) and the manifest deleted; it was adopted."""
+    folder = build_corpus(tmp_path)
+    (path,) = shard_paths(folder)
+    path.write_bytes(path.read_bytes().replace(b'"k":4096', b'"k":4099', 1))
+    (folder / MANIFEST).unlink()
+    corpus.init(folder)
+    before = tree(folder)
+    with pytest.raises(InputError, match=f"{path.name}: SHA-256 .* its name promises"):
+        corpus.recover(folder)
+    with pytest.raises(InputError, match=path.name):
+        compact(folder)
+    assert tree(folder) == before  # nothing adopted
+
+
+def test_recovery_refuses_a_renamed_shard_of_valid_records_under_another_key(tmp_path):
+    folder = new_folder(tmp_path)
+    twin = fake_provenance(gpu_uuid="GPU-twin")
+    path = shard_with(folder, [good_row()], listed=False)
+    path.rename(folder / SHARDS / path.name.replace(PROV.key, twin.key))
+    with pytest.raises(InputError, match="name do not both match its provenance"):
+        corpus.recover(folder)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"k": 2307}, "not a GEMV shape"),
+    ({"m": 0}, "not a GEMV shape"),
+    ({"n": 0}, "not a GEMV shape"),
+    ({"codebook": "Q9_9"}, "unknown codebook"),
+    ({"mode": "lazy"}, "mode must be one of"),
+    ({"candidate": "wide.s9.t1.c1"}, "unknown candidate"),
+    ({"candidate": "kpar.s64.t128.c1"}, "is not timed for"),
+    ({"identity": 3}, "identity"),
+    ({"family": "kpar"}, "family"),
+    ({"median_us": float("nan")}, "times must be finite"),
+    ({"p95_us": float("inf")}, "times must be finite"),
+    ({"p5_us": -1.0}, "times must be finite, positive"),
+    ({"p5_us": 1e9}, "p5 <= median <= p95"),
+    ({"mad_us": -0.5}, "mad_us"),
+    ({"samples": 0}, "samples"),
+])
+def test_every_record_is_validated_on_load_and_recovery(tmp_path, change, message):
+    folder = new_folder(tmp_path)
+    path = shard_with(folder, [good_row(), good_row(**change)])
+    with pytest.raises(InputError, match=f"{path.name}: line 3: .*{message}"):
+        load(folder)
+    folder = new_folder(tmp_path, "unlisted")
+    shard_with(folder, [good_row(**change)], listed=False)
+    before = tree(folder)
+    with pytest.raises(InputError, match=message):
+        corpus.recover(folder)
+    assert tree(folder) == before
+    assert load(new_folder(tmp_path, "control")).records == ()  # negative control: a clean folder loads
+
+
+def test_good_rows_written_by_the_test_helper_load(tmp_path):
+    """The control for the two tests above: the same helper with valid rows gives a loadable corpus."""
+    folder = new_folder(tmp_path)
+    shard_with(folder, [good_row()])
+    assert len(load(folder).records) == 1
+    shard_with(folder, [good_row(candidate="wide.s1.t256.c1")], listed=False)
+    loaded, actions = corpus.recover(folder)
+    assert len(loaded.records) == 2 and len(actions) == 1
+
+
+def test_a_cell_is_done_only_when_every_candidate_has_a_record(tmp_path):
+    folder = new_folder(tmp_path)
+    full, partial, raced = cells()[:3]
+    write_shard(folder, PROV, fake_records(full, PROV))
+    write_shard(folder, PROV, fake_records(partial, PROV)[1:])
+    write_shard(folder, PROV, [dataclasses.replace(r, dropped=True, samples=1) for r in fake_records(raced, PROV)])
+    assert load(folder).done_cells(PROV.key) == {full, raced}  # racing-dropped records count
+
+
+def test_type_hints_are_resolved_once_per_class_not_per_record(tmp_path, monkeypatch):
+    folder = build_corpus(tmp_path)
+    calls = []
+    real = corpus.get_type_hints
+    monkeypatch.setattr(corpus, "get_type_hints", lambda cls: calls.append(cls) or real(cls))
+    corpus._schema.cache_clear()
+    loaded = load(folder)
+    assert len(loaded.records) > 100
+    assert sorted(map(str, calls)) == sorted(map(str, {Record, Provenance, corpus.ShardEntry}))
+
+
+# --- failures leave every file as it was (issue 8, cases 2 and 3) --------------------------------------
+
+def test_a_failed_compact_changes_nothing(tmp_path):
+    folder = build_corpus(tmp_path, compact=False)
+    other = fake_provenance(gpu_name="Other GPU")
+    corpus.stage_shard(folder, other, fake_records(cells()[0], other))
+    (folder / SHARDS / ".left.jsonl.x.tmp").write_bytes(b"{")
+    before = tree(folder)
+    result = CliRunner().invoke(main, ["corpus", "compact", str(folder)])
+    assert result.exit_code == 2 and "Other GPU" in result.stderr and result.stderr.count("\n") == 1
+    assert tree(folder) == before
+
+
+def test_compaction_checks_free_space_first(tmp_path, monkeypatch):
+    folder = build_corpus(tmp_path, compact=False)
+    before = tree(folder)
+    size = sum(p.stat().st_size for p in shard_paths(folder))
+    monkeypatch.setattr(corpus.shutil, "disk_usage", lambda p: SimpleNamespace(free=size))
+    result = CliRunner().invoke(main, ["corpus", "compact", str(folder)])
+    assert result.exit_code == 3 and result.stderr.count("\n") == 1
+    assert f"{folder}: compaction needs about" in result.stderr
+    assert tree(folder) == before
+    monkeypatch.setattr(corpus.shutil, "disk_usage", lambda p: SimpleNamespace(free=2 * size))
+    assert compact(folder) == (len(before) - 1, 1)  # control: enough room, it compacts
+
+
+def test_disk_full_during_compaction_is_one_line_and_changes_nothing(tmp_path, monkeypatch):
+    folder = build_corpus(tmp_path, compact=False)
+    before = tree(folder)
+    real_replace = os.replace
+    monkeypatch.setattr(os, "replace", lambda a, b: disk_full() if str(b).endswith(MANIFEST) else real_replace(a, b))
+    result = CliRunner().invoke(main, ["corpus", "compact", str(folder)])
+    assert result.exit_code == 3 and result.stderr.count("\n") == 1
+    assert result.stderr == f"error: {folder / MANIFEST}: No space left on device\n"
+    assert tree(folder) == before  # the merged shard written before the manifest failed is gone again
+
+
+def test_a_read_only_corpus_folder_is_one_line(tmp_path, monkeypatch):
+    folder = build_corpus(tmp_path, compact=False)
+    before = tree(folder)
+
+    def read_only(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), kwargs.get("dir"))
+
+    monkeypatch.setattr(tempfile, "mkstemp", read_only)
+    result = CliRunner().invoke(main, ["corpus", "compact", str(folder)])
+    assert result.exit_code == 3 and result.stderr.count("\n") == 1
+    assert result.stderr.startswith(f"error: {folder / SHARDS}/") and "Read-only file system" in result.stderr
+    assert tree(folder) == before
