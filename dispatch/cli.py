@@ -128,24 +128,31 @@ def shapes_from_gguf(model: Path, output: Path | None, as_json: bool) -> None:
               "inventories in corpus/shapes/, without the synthetic grid].")
 @click.option("--limit", type=int, help="Only the plan's first N cells (smoke runs).")
 @click.option("--hot", is_flag=True, help="Hot L2: every launch reads the same weights (default: cold).")
+@click.option("--wait", is_flag=True, help="Wait for another sweep of the same GPU to end instead of refusing.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object.")
 @click.option("--device-index", type=int, hidden=True)  # set by a --devices parent for its children
 @click.option("--device-count", type=int, default=1, hidden=True)
 @click.option("--replay-delay", type=float, default=0.0, hidden=True)  # seconds per cell, for tests
 @user_errors
 def sweep_command(corpus_root: Path | None, replay: Path | None, devices: str | None, codebooks: str, ms: str,
-                  modes: str, shape_paths: tuple[Path, ...], limit: int | None, hot: bool, as_json: bool,
-                  device_index: int | None, device_count: int, replay_delay: float) -> None:
+                  modes: str, shape_paths: tuple[Path, ...], limit: int | None, hot: bool, wait: bool,
+                  as_json: bool, device_index: int | None, device_count: int, replay_delay: float) -> None:
     """Time every candidate kernel over (codebook, M, N, K, mode) cells into CORPUS_ROOT/<gpu>/.
 
     Default plan: the (N, K) of every model inventory in corpus/shapes/, all six codebooks, M in {1, 4, 16},
     graph mode, cold L2, racing: 1728 cells, about 6.5 minutes on one H200. One shard per finished cell: an
     interrupted sweep loses at most the cell in flight, and a rerun skips the cells already measured with the
-    same provenance (GPU, driver, kernel sources, tool, timing parameters). Progress and ETA go to stderr."""
+    same provenance (GPU, driver, kernel sources, tool, timing parameters). One sweep per GPU at a time.
+    Progress and ETA go to stderr."""
     from gemv_dispatch.dispatch import sweep
     from gemv_dispatch.dispatch.corpus import load
     from gemv_dispatch.dispatch.paths import home_dir
 
+    # A replay serves its corpus's timings as recorded: options that change how a GPU is timed cannot apply.
+    moot = [flag for flag, given in (("--hot", hot), ("--wait", wait)) if replay and given]
+    moot += ["--replay-delay"] if replay_delay and not replay else []
+    if moot:
+        raise InputError(f"{', '.join(moot)} cannot apply {'under' if replay else 'without'} --replay")
     plan = sweep.parse_plan(codebooks, ms, modes, shape_paths, limit, hot)
     root = corpus_root if corpus_root is not None else home_dir() / "corpus"
     if devices is not None:
@@ -153,6 +160,7 @@ def sweep_command(corpus_root: Path | None, replay: Path | None, devices: str | 
         argv += [arg for p in shape_paths for arg in ("--shapes", str(p.resolve()))]
         argv += ["--limit", str(limit)] if limit is not None else []
         argv += ["--hot"] if hot else []
+        argv += ["--wait"] if wait else []
         argv += ["--replay", str(replay.resolve()), "--replay-delay", str(replay_delay)] if replay else []
         try:
             result = sweep.run_devices(sweep.parse_devices(devices), argv)
@@ -162,7 +170,8 @@ def sweep_command(corpus_root: Path | None, replay: Path | None, devices: str | 
         timer = sweep.ReplayTimer(load(replay), replay_delay) if replay else sweep.GpuTimer(plan.timing)
         child = device_index is not None
         result = sweep.run_sweep(plan, root, timer, part=(device_index or 0, device_count),
-                                 compact_at_end=not child, label=f"device {device_index}: " if child else "")
+                                 compact_at_end=not child, label=f"device {device_index}: " if child else "",
+                                 wait=wait)
     if as_json:
         click.echo(json.dumps(result.to_dict(), sort_keys=True))
         return

@@ -5,13 +5,16 @@ in corpus/shapes/ (the synthetic grid is left out; pass it with --shapes), all s
 graph mode, `sweep_timing()` (cold L2, racing on, at most 15 rounds): 96 geometries x 6 x 3 = 1728 cells,
 measured at 384 s of wall time on one H200 (two runs of three codebooks each: 188.5 s and 195.8 s).
 
-Each finished cell becomes one shard, so an interruption loses at most the cell in flight; a rerun skips the
-cells the corpus already holds under the same provenance key (resume). With several devices, the parent
-splits the plan round robin by weight geometry, runs one child process per GPU, and compacts at the end.
+Each finished cell becomes one staged shard (corpus.stage_shard: no manifest rewrite per cell), so an
+interruption loses at most the cell in flight; a rerun adopts the staged shards and skips the cells the corpus
+holds complete under the same provenance key (resume). A GPU is timed by one sweep at a time (gpulock). With
+several devices, the parent splits the plan round robin by weight geometry, runs one child process per GPU,
+and compacts at the end.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -24,7 +27,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol, TextIO
 
-from gemv_dispatch.dispatch import __version__, corpus
+from gemv_dispatch.dispatch import __version__, corpus, gpulock
 from gemv_dispatch.dispatch.corpus import MODES, Cell, Corpus, Provenance, Record, gpu_slug, timing_parameters
 from gemv_dispatch.dispatch.shapes import GRID_NAME, default_inventory_dir, load_inventories
 from gemv_dispatch.dispatch.timing import (
@@ -152,37 +155,53 @@ class CellTiming:
 
 
 class Timer(Protocol):
-    def provenance(self) -> Provenance: ...
+    """What a sweep times with: a GPU, or a corpus served back (replay)."""
 
-    def time_cell(self, codebook: str, m: int, n: int, k: int, mode: str,
-                  candidates: Sequence[Candidate]) -> CellTiming: ...
+    gpu_name: str  # the corpus folder is named after it
+    kernel_digest: str  # the kernel sources every record of the folder must come from
+    lock_key: str | None  # the GPU's UUID, locked while timing; None where no GPU is timed
+
+    def provenances(self, cell: Cell) -> tuple[Provenance, ...]:
+        """The provenances this timer records `cell` under; empty when it cannot time it."""
+        ...
+
+    def measure(self, cell: Cell, provenance: Provenance, candidates: Sequence[Candidate]) -> CellTiming: ...
 
 
 class ReplayTimer:
-    """Serves the recorded stats of an existing corpus in place of a GPU, under that corpus's provenance, so
-    every later stage runs on a CPU. `delay_s` sleeps per cell, letting tests interrupt a sweep mid-way."""
+    """Serves the recorded stats of an existing corpus in place of a GPU, each cell under every provenance
+    that holds all of its candidates, so replaying a corpus (of one or several GPUs of a model) into an
+    empty folder reproduces it byte for byte and every later stage runs on a CPU. `delay_s` sleeps per
+    cell, letting tests interrupt a sweep mid-way."""
+
+    lock_key = None
 
     def __init__(self, source: Corpus, delay_s: float = 0.0) -> None:
-        if len(source.provenances) != 1:
-            raise InputError(f"{source.folder}: replay needs a corpus of one provenance, found "
-                             f"{len(source.provenances)} ({', '.join(sorted(source.provenances)) or 'none'})")
-        (self._provenance,) = source.provenances.values()
-        self._folder, self._delay_s = source.folder, delay_s
-        self._records = {(r.cell, r.candidate): r for r in source.records}
+        if not source.provenances:
+            raise InputError(f"{source.folder}: replay needs a corpus with records, this one is empty")
+        first = next(iter(source.provenances.values()))
+        self.gpu_name, self.kernel_digest = first.gpu_name, first.kernel_digest
+        self._source, self._delay_s = source, delay_s
 
-    def provenance(self) -> Provenance:
-        return self._provenance
+    def _served(self, cell: Cell) -> dict[str, dict[str, Record]]:
+        """Provenance key -> candidate id -> record, for the provenances holding the whole cell."""
+        by_key: dict[str, dict[str, Record]] = {}
+        for r in self._source.records_for(cell):
+            by_key.setdefault(r.provenance, {})[r.candidate] = r
+        need = corpus.cell_candidates(cell.m, cell.n, cell.k)
+        return {key: records for key, records in by_key.items() if records.keys() >= need.keys()}
 
-    def time_cell(self, codebook: str, m: int, n: int, k: int, mode: str,
-                  candidates: Sequence[Candidate]) -> CellTiming:
+    def provenances(self, cell: Cell) -> tuple[Provenance, ...]:
+        return tuple(self._source.provenances[key] for key in sorted(self._served(cell)))
+
+    def measure(self, cell: Cell, provenance: Provenance, candidates: Sequence[Candidate]) -> CellTiming:
         time.sleep(self._delay_s)
-        cell = Cell(codebook, m, n, k, mode)
-        found = []
-        for c in candidates:
-            record = self._records.get((cell, c.id))
-            if record is None:
-                raise InputError(f"{self._folder}: replay corpus has no record of cell {cell} for candidate {c.id}")
-            found.append(record)
+        records = self._served(cell).get(provenance.key, {})
+        missing = [c.id for c in candidates if c.id not in records]
+        if missing:
+            raise InputError(f"{self._source.folder}: replay corpus has no record of cell {cell} for "
+                             f"candidate {missing[0]} under provenance {provenance.key}")
+        found = [records[c.id] for c in candidates]
         return CellTiming({r.candidate: r.stats for r in found}, found[0].copies)
 
 
@@ -257,8 +276,19 @@ class GpuTimer:
             timing=timing_parameters(config),
         )
 
+        self.gpu_name, self.kernel_digest = self._provenance.gpu_name, self._provenance.kernel_digest
+        self.lock_key: str | None = gpu_uuid
+
     def provenance(self) -> Provenance:
         return self._provenance
+
+    def provenances(self, cell: Cell) -> tuple[Provenance, ...]:
+        return (self._provenance,)
+
+    def measure(self, cell: Cell, provenance: Provenance, candidates: Sequence[Candidate]) -> CellTiming:
+        if provenance != self._provenance:
+            raise ValueError(f"this GPU records under provenance {self._provenance.key}, not {provenance.key}")
+        return self.time_cell(cell.codebook, cell.m, cell.n, cell.k, cell.mode, candidates)
 
     def _weights(self, codebook: str, n: int, k: int) -> list[Any]:
         if self._geometry != (codebook, n, k):
@@ -298,8 +328,8 @@ class SweepResult:
     folders: tuple[str, ...]
     provenances: tuple[str, ...]
     cells: int  # in this run's plan (or part of it)
-    timed: int
-    skipped: int  # already in the corpus under the same provenance
+    timed: int  # (cell, provenance) measurements made: one per cell, except replays of several GPUs
+    skipped: int  # cells already in the corpus under every provenance
     records: int  # written by this run
     seconds: float
 
@@ -320,15 +350,37 @@ def _clock(seconds: float) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
-class Progress:
-    """One status line with an ETA on stderr: redrawn in place on a terminal, else a line every `every_s`."""
+# A timed window lasts at least ~200 µs (TimingConfig.window_us), about what a GPU reads of 800 MB in:
+# smaller weights still cost a window per candidate and round.
+WINDOW_BYTES = 800e6
+ETA_AFTER = 3  # cells measured before an ETA is shown: the first ones also pay compilation and warm-up
 
-    def __init__(self, total: int, label: str = "", stream: TextIO | None = None, every_s: float = 30.0) -> None:
+
+def cell_work(cell: Cell) -> float:
+    """Relative cost of timing a cell, for the ETA: candidates x bytes read per launch window."""
+    weight_bytes = cell.n * cell.k * get(cell.codebook).bits_per_weight / 8
+    return len(corpus.cell_candidates(cell.m, cell.n, cell.k)) * max(weight_bytes, WINDOW_BYTES)
+
+
+class Progress:
+    """One status line with an ETA on stderr: redrawn in place on a terminal, else a line every `every_s`.
+
+    The ETA extrapolates the time per unit of work of the cells measured so far (`works[i]` is cell i's
+    work) to the work left; it is "?" until ETA_AFTER cells are measured."""
+
+    def __init__(self, works: Sequence[float], label: str = "", stream: TextIO | None = None,
+                 every_s: float = 30.0) -> None:
         self.stream = stream if stream is not None else sys.stderr
         # Children of a --devices run share one terminal: in-place redraws would overwrite each other.
         self.inplace = self.stream.isatty() and not label
-        self.total, self.label, self.every_s = total, label, every_s
+        self.works, self.total, self.label, self.every_s = list(works), len(works), label, every_s
         self.start, self._last = time.monotonic(), -math.inf
+
+    def eta(self, done: int, elapsed: float) -> str:
+        measured = sum(self.works[:done])
+        if done < ETA_AFTER or not measured:
+            return "?"
+        return _clock(elapsed / measured * sum(self.works[done:]))
 
     def update(self, done: int, note: str) -> None:
         now = time.monotonic()
@@ -337,39 +389,56 @@ class Progress:
             return
         self._last = now
         elapsed = now - self.start
-        eta = _clock(elapsed / done * (self.total - done)) if done else "?"
         line = (f"{self.label}{done}/{self.total} cells ({100 * done / self.total:.1f}%), {_clock(elapsed)} "
-                f"elapsed, ETA {eta}: {note}")
+                f"elapsed, ETA {self.eta(done, elapsed)}: {note}")
         self.stream.write(f"\r\x1b[K{line}" + ("\n" if final else "") if self.inplace else line + "\n")
         self.stream.flush()
 
 
+def _served(cells: Sequence[Cell], timer: Timer) -> dict[Cell, tuple[Provenance, ...]]:
+    """Each cell's provenances; refuses, before anything is written, a plan with cells the timer cannot time
+    (a replay source lacking them), naming the count and a few."""
+    served = {cell: timer.provenances(cell) for cell in cells}
+    lacking = [cell for cell, provenances in served.items() if not provenances]
+    if lacking:
+        examples = "; ".join(str(c) for c in lacking[:3])
+        raise InputError(f"{len(lacking)} of {len(cells)} cells of the plan cannot be timed (a replay "
+                         f"corpus lacks them or some of their candidates), e.g. {examples}")
+    return served
+
+
 def run_sweep(plan: SweepPlan, corpus_root: str | os.PathLike[str], timer: Timer, *,
-              part: tuple[int, int] = (0, 1), compact_at_end: bool = True, label: str = "") -> SweepResult:
+              part: tuple[int, int] = (0, 1), compact_at_end: bool = True, label: str = "",
+              wait: bool = False) -> SweepResult:
     """Time the plan's cells (part `part[0]` of `part[1]`) that corpus_root/<gpu-slug>/ lacks under the
-    timer's provenance, one shard per cell, then compact (a --devices parent compacts once, at the end)."""
+    timer's provenances, one staged shard per (cell, provenance), then compact (a --devices parent compacts
+    once, at the end; nothing to compact when nothing changed). The GPU's lock (`gpulock`) is held
+    throughout; `wait` waits for another sweep of the GPU instead of refusing."""
     start = time.monotonic()
-    provenance = timer.provenance()
-    folder = Path(corpus_root) / gpu_slug(provenance.gpu_name)
-    corpus.init(folder)
-    for action in corpus.recover(folder):
-        print(f"{label}{folder}: {action}", file=sys.stderr)
-    existing = corpus.load(folder, kernel_digest=provenance.kernel_digest, gpu_name=provenance.gpu_name)
-    done = existing.done_cells(provenance.key)
     cells = plan.part(*part)
-    todo = [c for c in cells if c not in done]
-    progress = Progress(len(todo), label)
-    records = 0
-    for i, cell in enumerate(todo, start=1):
-        candidates = candidates_for(cell.m, cell.n, cell.k)
-        timing = timer.time_cell(cell.codebook, cell.m, cell.n, cell.k, cell.mode, candidates)
-        rows = [Record.measured(cell, c, timing.stats[c.id], timing.copies, provenance.key) for c in candidates]
-        corpus.write_shard(folder, provenance, rows)
-        records += len(rows)
-        progress.update(i, str(cell))
-    if compact_at_end:
-        corpus.compact(folder)
-    return SweepResult((str(folder),), (provenance.key,), len(cells), len(todo), len(cells) - len(todo), records,
+    served = _served(cells, timer)
+    keys = sorted({p.key for provenances in served.values() for p in provenances})
+    folder = Path(corpus_root) / gpu_slug(timer.gpu_name)
+    with gpulock.hold(timer.lock_key, wait=wait) if timer.lock_key else contextlib.nullcontext():
+        corpus.init(folder)
+        existing, actions = corpus.recover(folder, kernel_digest=timer.kernel_digest, gpu_name=timer.gpu_name)
+        for action in actions:
+            print(f"{label}{folder}: {action}", file=sys.stderr)
+        done = {key: existing.done_cells(key) for key in keys}
+        todo = [(cell, p) for cell, provenances in served.items() for p in provenances if cell not in done[p.key]]
+        progress = Progress([cell_work(cell) for cell, _ in todo], label)
+        records = 0
+        for i, (cell, provenance) in enumerate(todo, start=1):
+            candidates = candidates_for(cell.m, cell.n, cell.k)
+            timing = timer.measure(cell, provenance, candidates)
+            rows = [Record.measured(cell, c, timing.stats[c.id], timing.copies, provenance.key) for c in candidates]
+            corpus.stage_shard(folder, provenance, rows)
+            records += len(rows)
+            progress.update(i, str(cell))
+        if compact_at_end and (todo or len(existing.shards) != len(existing.provenances)):
+            corpus.compact(folder)
+    timed = {cell for cell, _ in todo}
+    return SweepResult((str(folder),), tuple(keys), len(cells), len(todo), len(cells) - len(timed), records,
                        time.monotonic() - start)
 
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import errno
 import io
 import json
+import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -22,20 +25,22 @@ from corpus_fixture import (
     tree,
     write_shapes,
 )
+from gemv_dispatch.dispatch import corpus, gpulock
 from gemv_dispatch.dispatch.cli import main
-from gemv_dispatch.dispatch.corpus import MANIFEST, Cell, gpu_slug, load, write_shard
+from gemv_dispatch.dispatch.corpus import MANIFEST, SHARDS, Cell, compact, gpu_slug, load, write_shard
 from gemv_dispatch.dispatch.sweep import (
     GpuTimer,
     Progress,
     ReplayTimer,
     SweepPlan,
+    cell_work,
     parse_devices,
     parse_plan,
     run_sweep,
 )
 from gemv_dispatch.dispatch.timing import TimingConfig
 from gemv_dispatch.kernels.codebooks import CODEBOOKS
-from gemv_dispatch.kernels.errors import InputError
+from gemv_dispatch.kernels.errors import EnvironmentProblem, InputError
 
 REPO = Path(__file__).resolve().parents[1]
 SLUG = gpu_slug(FAKE_GPU)
@@ -100,14 +105,22 @@ def test_cells_are_grouped_by_geometry_and_parts_deal_whole_geometries(shapes):
     assert plan.part(0, 1) == full
 
 
-def test_progress_line_has_an_eta():
+def test_progress_line_has_an_eta_from_measured_cells_weighted_by_work():
     out = io.StringIO()
-    progress = Progress(4, "device 1: ", out, every_s=0.0)
-    for i in range(1, 5):
+    progress = Progress([1.0, 1.0, 1.0, 1.0, 4.0], "device 1: ", out, every_s=0.0)
+    for i in range(1, 6):
         progress.update(i, f"cell {i}")
     lines = out.getvalue().splitlines()
-    assert len(lines) == 4 and lines[0].startswith("device 1: 1/4 cells (25.0%)") and "ETA" in lines[0]
-    assert lines[-1].endswith("cell 4")
+    assert len(lines) == 5 and lines[0].startswith("device 1: 1/5 cells (20.0%)") and "ETA ?" in lines[0]
+    assert "ETA ?" in lines[1] and "ETA ?" not in lines[2]  # "?" until three cells are measured
+    assert lines[-1].endswith("cell 5")
+    # 3 units of work took 30 s: the 5 units left take 50 s, not 2 cells x 10 s.
+    assert progress.eta(3, 30.0) == "0m50s" and progress.eta(4, 40.0) == "0m40s"
+
+
+def test_cell_work_grows_with_candidates_and_large_weights():
+    small, large = Cell("Q4_0", 1, 4096, 4096, "graph"), Cell("Q4_0", 1, 262144, 16384, "graph")
+    assert cell_work(large) > cell_work(small) > 0
 
 
 # --- replay -------------------------------------------------------------------------------------------
@@ -137,18 +150,33 @@ def test_run_sweep_skips_done_cells_and_limit_cuts_the_plan(source, shapes, tmp_
     assert tree(tmp_path / SLUG) == tree(source)
 
 
-def test_replay_of_a_missing_cell_is_named(source, tmp_path):
-    plan = SweepPlan(("Q4_0",), (1,), ("graph",), ((2048, 2048),))
-    with pytest.raises(InputError, match="no record of cell Q4_0 M=1 N=2048 K=2048 graph"):
+def test_a_replay_lacking_cells_is_refused_up_front(source, shapes, tmp_path):
+    plan = SweepPlan(("Q4_0", "Q8_0"), (1, 4, 16), ("graph",), ((256, 512), (2048, 2048)))
+    with pytest.raises(InputError, match=r"8 of 12 cells .* e\.g\. Q4_0 M=16 N=256 K=512 graph; Q4_0 M=1 N=2048"):
         run_sweep(plan, tmp_path, ReplayTimer(load(source)))
+    assert list(tmp_path.iterdir()) == []  # no empty folder left behind
+    result = invoke(*sweep_args(source, shapes, tmp_path / "out", "--m", "1,31"))
+    assert result.exit_code == 2 and "8 of 16 cells of the plan cannot be timed" in result.stderr
+    assert result.stderr.count("\n") == 1 and not (tmp_path / "out").exists()
 
 
-def test_replay_needs_a_corpus_of_one_provenance(tmp_path):
-    folder = build_corpus(tmp_path)
+def test_replay_of_a_corpus_of_several_gpus_reproduces_it(tmp_path):
+    folder = build_corpus(tmp_path / "src", compact=False)
     twin = fake_provenance(gpu_uuid="GPU-twin")
-    write_shard(folder, twin, fake_records(cells()[0], twin))
-    with pytest.raises(InputError, match="one provenance, found 2"):
-        ReplayTimer(load(folder))
+    for cell in cells()[:5]:  # the twin measured a few of the same cells, and one partially
+        write_shard(folder, twin, fake_records(cell, twin))
+    write_shard(folder, twin, fake_records(cells()[5], twin)[1:])
+    compact(folder)
+    plan = parse_plan("Q4_0,Q8_0", "1,4", "graph,eager", [write_shapes(tmp_path / "s.json")])
+    result = run_sweep(plan, tmp_path / "out", ReplayTimer(load(folder)))
+    assert result.provenances == tuple(sorted((fake_provenance().key, twin.key)))
+    assert (result.timed, result.skipped) == (len(cells()) + 5, 0)
+    replayed = tree(tmp_path / "out" / SLUG)
+    assert replayed != tree(folder)  # the twin's partial cell cannot be served ...
+    write_shard(folder, twin, fake_records(cells()[5], twin))  # ... once complete, the copy is exact
+    compact(folder)
+    run_sweep(plan, tmp_path / "again", ReplayTimer(load(folder)))
+    assert tree(tmp_path / "again" / SLUG) == tree(folder)
 
 
 def test_sweep_refuses_a_folder_measured_with_other_kernel_sources(source, shapes, tmp_path):
@@ -167,23 +195,21 @@ def cli(*args: str, **kwargs: object) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
 
 
-def listed_shards(folder: Path) -> int:
-    try:
-        return len(json.loads((folder / MANIFEST).read_text())["shards"])
-    except (FileNotFoundError, json.JSONDecodeError):
-        return 0
+def shard_files(folder: Path) -> int:
+    """Complete shards, listed or staged (a sweep lists its staged shards at its end)."""
+    return len(list((folder / SHARDS).glob("*.jsonl")))
 
 
 def test_sigkill_mid_sweep_then_rerun_loses_and_duplicates_nothing(source, shapes, clean_sweep, tmp_path):
     killed = tmp_path / "killed"
     child = cli(*sweep_args(source, shapes, killed, "--replay-delay", "0.2"))
     deadline = time.monotonic() + 60
-    while listed_shards(killed / SLUG) < 3 and child.poll() is None and time.monotonic() < deadline:
+    while shard_files(killed / SLUG) < 3 and child.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
     child.send_signal(signal.SIGKILL)
     child.communicate()
     assert child.returncode == -signal.SIGKILL, "the sweep ended before it could be killed"
-    done = listed_shards(killed / SLUG)
+    done = shard_files(killed / SLUG)
     assert 3 <= done < len(cells())
 
     result = invoke(*sweep_args(source, shapes, killed, "--json"))
@@ -281,7 +307,7 @@ def test_gpu_sweep_smoke(tmp_path, shapes):
 
 
 def test_sweep_without_a_usable_device_is_one_line(monkeypatch, tmp_path):
-    """CuPy present but no driver or device: one clear line and exit 2, not a CUDA traceback."""
+    """CuPy present but no usable device: one clear line and exit 3 (the environment's), not a traceback."""
     from types import SimpleNamespace
 
     from gemv_dispatch.kernels import launch
@@ -294,7 +320,120 @@ def test_sweep_without_a_usable_device_is_one_line(monkeypatch, tmp_path):
 
     runtime = SimpleNamespace(CUDARuntimeError=CUDARuntimeError, getDeviceCount=no_driver)
     monkeypatch.setattr(launch, "cupy", SimpleNamespace(cuda=SimpleNamespace(runtime=runtime)))
+    monkeypatch.setattr(launch, "nvidia_driver_present", lambda: True)
     result = CliRunner().invoke(main, ["sweep", "--limit", "1", "--corpus-root", str(tmp_path)])
-    assert result.exit_code == 2
+    assert result.exit_code == 3
     assert result.output.strip() == "error: no usable CUDA device: cudaErrorInsufficientDriver: CUDA driver version " \
         "is insufficient"
+    # Without libcuda at all, CuPy reports the same "insufficient driver"; say what is really missing.
+    monkeypatch.setattr(launch, "nvidia_driver_present", lambda: False)
+    result = CliRunner().invoke(main, ["sweep", "--limit", "1", "--corpus-root", str(tmp_path)])
+    assert result.exit_code == 3 and result.output == "error: no NVIDIA driver found (libcuda.so.1 cannot be loaded)\n"
+    info = CliRunner().invoke(main, ["info", "--json"])
+    assert info.exit_code == 0 and "no NVIDIA driver found" in json.loads(info.stdout)["cuda_device"]
+    assert list(tmp_path.iterdir()) == []
+
+
+# --- issue 8: options, lock, per-cell cost, OS errors -----------------------------------------------------
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--hot"], "--hot cannot apply under --replay"),
+    (["--wait"], "--wait cannot apply under --replay"),
+])
+def test_options_that_cannot_apply_to_a_replay_are_refused(source, shapes, tmp_path, extra, message):
+    result = invoke(*sweep_args(source, shapes, tmp_path / "out", *extra))
+    assert result.exit_code == 2 and result.stderr == f"error: {message}\n"
+    assert not (tmp_path / "out").exists()
+    assert invoke(*sweep_args(source, shapes, tmp_path / "out")).exit_code == 0  # control: without it, it runs
+
+
+class LockingReplay(ReplayTimer):
+    """A replay that claims a GPU, as GpuTimer does: the sweep must hold that GPU's lock while it times."""
+
+    lock_key = "GPU-00000000-0000-0000-0000-00000000beef"
+
+
+@pytest.fixture
+def locks(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv(gpulock.LOCKS_ENV, str(tmp_path / "locks"))
+    return tmp_path / "locks"
+
+
+def test_gpu_lock_refuses_a_second_holder_and_names_its_pid(locks):
+    with gpulock.hold("GPU-a") as path:
+        assert path == locks / "GPU-a.lock"
+        busy = f"GPU GPU-a is being timed by another sweep \\(pid {os.getpid()}"
+        with pytest.raises(EnvironmentProblem, match=busy), gpulock.hold("GPU-a"):
+            pass
+        with gpulock.hold("GPU-b"):  # another GPU is free
+            pass
+    with gpulock.hold("GPU-a"):  # released on exit
+        pass
+
+
+def test_a_second_sweep_on_one_gpu_is_refused_or_waits(source, shapes, locks, tmp_path):
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom gemv_dispatch.dispatch import gpulock\n"
+                               f"with gpulock.hold({LockingReplay.lock_key!r}):\n print('held', flush=True)\n"
+                               " time.sleep(float(sys.argv[1]))", "1.5"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        plan = parse_plan("Q4_0,Q8_0", "1,4", "graph,eager", [shapes])
+        with pytest.raises(EnvironmentProblem, match=f"pid {holder.pid}"):
+            run_sweep(plan, tmp_path, LockingReplay(load(source)))
+        assert not (tmp_path / SLUG).exists()  # refused before anything was written
+        start = time.monotonic()
+        result = run_sweep(plan, tmp_path, LockingReplay(load(source)), wait=True)
+        assert result.timed == len(cells()) and holder.poll() is not None and time.monotonic() - start > 0.3
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_sweep_rewrites_the_manifest_once_not_per_cell(source, shapes, tmp_path, monkeypatch):
+    writes: list[str] = []
+    real = corpus.write_atomic
+    monkeypatch.setattr(corpus, "write_atomic", lambda path, data: writes.append(path.name) or real(path, data))
+    plan = parse_plan("Q4_0,Q8_0", "1,4", "graph,eager", [shapes])
+    run_sweep(plan, tmp_path, ReplayTimer(load(source)))
+    assert writes.count(MANIFEST) <= 3 and len(writes) >= len(cells())  # init, compaction (2); one shard per cell
+    assert tree(tmp_path / SLUG) == tree(source)
+
+
+def test_a_no_op_rerun_does_not_compact(source, shapes, tmp_path, monkeypatch):
+    plan = parse_plan("Q4_0,Q8_0", "1,4", "graph,eager", [shapes])
+    run_sweep(plan, tmp_path, ReplayTimer(load(source)))
+    before = tree(tmp_path / SLUG)
+    monkeypatch.setattr(corpus, "compact", lambda folder: pytest.fail("compacted a corpus that did not change"))
+    assert run_sweep(plan, tmp_path, ReplayTimer(load(source))).timed == 0
+    assert tree(tmp_path / SLUG) == before
+
+
+def test_disk_full_during_a_sweep_is_one_line_and_keeps_the_finished_cells(source, shapes, tmp_path, monkeypatch):
+    real, calls = os.fsync, []
+
+    def full_after_three_shards(fd: int) -> None:
+        calls.append(fd)
+        if len(calls) > 8:  # the manifest at init (2 fsyncs), then 2 per staged shard
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", full_after_three_shards)
+    result = invoke(*sweep_args(source, shapes, tmp_path))
+    monkeypatch.undo()
+    errors = [line for line in result.stderr.splitlines() if " cells (" not in line]  # not a progress line
+    assert result.exit_code == 3 and len(errors) == 1, result.output  # beside the progress lines, one line
+    assert errors[0].startswith(f"error: {tmp_path / SLUG / SHARDS}/") and "No space left" in errors[0]
+    assert not list((tmp_path / SLUG / SHARDS).glob(".*"))  # no temp file left
+    assert shard_files(tmp_path / SLUG) == 3
+    again = json.loads(invoke(*sweep_args(source, shapes, tmp_path, "--json")).stdout)
+    assert again["skipped"] == 3 and tree(tmp_path / SLUG) == tree(source)
+
+
+def test_an_inventory_into_a_read_only_folder_names_the_path(tmp_path, monkeypatch):
+    def read_only(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+
+    monkeypatch.setattr(tempfile, "mkstemp", read_only)
+    with pytest.raises(OSError, match="Read-only file system") as caught:
+        write_shapes(tmp_path / "shapes.json")
+    assert caught.value.filename == str(tmp_path / "shapes.json") and list(tmp_path.iterdir()) == []

@@ -1,0 +1,58 @@
+"""One sweep per GPU at a time: two processes timing one GPU contend for it and both record invalid timings.
+
+The lock is an flock on <lock_dir()>/<GPU UUID>.lock (by UUID, since CUDA_VISIBLE_DEVICES renumbers devices),
+so the kernel releases it when its holder dies. The holder writes its pid into the file for the refusal
+message; the pid is informative only, the flock is the lock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+from gemv_dispatch.dispatch.files import naming
+from gemv_dispatch.kernels.errors import EnvironmentProblem, InputError
+
+LOCKS_ENV = "GEMV_DISPATCH_LOCKS"
+
+
+def lock_dir() -> Path:
+    """GEMV_DISPATCH_LOCKS, else $XDG_RUNTIME_DIR/gemv-dispatch (per user, cleared at logout), else
+    /tmp/gemv-dispatch-locks (shared by every user of the machine, as the GPUs are)."""
+    if os.environ.get(LOCKS_ENV):
+        return Path(os.environ[LOCKS_ENV])
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    return Path(runtime) / "gemv-dispatch" if runtime else Path("/tmp/gemv-dispatch-locks")
+
+
+@contextlib.contextmanager
+def hold(gpu_uuid: str, *, wait: bool = False) -> Iterator[Path]:
+    """Hold the GPU's lock for the body; yields the lock file. Another holder makes this raise
+    EnvironmentProblem naming its pid, or, with `wait`, block until it is gone."""
+    if not re.fullmatch(r"[A-Za-z0-9-]+", gpu_uuid):
+        raise InputError(f"GPU UUID {gpu_uuid!r} cannot name a lock file")
+    folder = lock_dir()
+    path = folder / f"{gpu_uuid}.lock"
+    try:
+        folder.mkdir(mode=0o1777, parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError as err:
+        raise naming(err, path) from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if not wait:
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+                raise EnvironmentProblem(f"GPU {gpu_uuid} is being timed by another sweep (pid {holder}, lock "
+                                         f"{path}); wait for it to end or pass --wait") from None
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield path
+    finally:
+        os.close(fd)  # releases the flock
