@@ -218,6 +218,12 @@ class Runner(Protocol):
     level: Level
     xp: Any
 
+    def __enter__(self) -> Runner:
+        """Runs are made inside `with runner:` (the GPU runner makes its stream current)."""
+        ...
+
+    def __exit__(self, *exc: object) -> None: ...
+
     def device(self) -> dict[str, str]:
         """{"name", "uuid"} of what ran the launches ("emulator" for the CPU stand-in)."""
         ...
@@ -293,6 +299,12 @@ class EmulatorRunner:
         self._n = 0
         self._by_identity: dict[int, np.ndarray] = {}
         self._x: tuple[int, np.ndarray] | None = None
+
+    def __enter__(self) -> EmulatorRunner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
 
     def device(self) -> dict[str, str]:
         return {"name": "emulator", "uuid": "emulator"}
@@ -420,6 +432,24 @@ class GpuRunner:
 
     def to_host(self, a: Any) -> np.ndarray:
         return self.xp.asnumpy(a, stream=self.stream)
+
+
+DEVICES = ("auto", "gpu", "emulator")
+
+
+def runner_for(device: str, seed: int = 0) -> Runner:
+    """The runner a --device option names: "gpu" (InputError without one), "emulator", or "auto" (the GPU
+    where CuPy sees one, else the emulator)."""
+    if device not in DEVICES:
+        raise InputError(f"--device must be one of {', '.join(DEVICES)}, got {device!r}")
+    if device == "emulator":
+        return EmulatorRunner(seed)
+    try:
+        return GpuRunner(seed)
+    except InputError:
+        if device == "gpu":
+            raise
+        return EmulatorRunner(seed)
 
 
 def current_gpu() -> dict[str, str] | None:

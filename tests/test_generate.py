@@ -1,0 +1,152 @@
+"""Generated dispatch (DESIGN §8): the Python module, the policy's select and the C header agree on every key;
+the bytes are deterministic and match the golden files. Seeds are printed; a failure names the key."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gemv_dispatch.dispatch import generate
+from gemv_dispatch.dispatch.features import MODES
+from gemv_dispatch.kernels.registry import CANDIDATES
+from policy_fixture import random_policy
+
+GOLDEN = Path(__file__).with_name("golden")
+GOLDEN_INVENTORIES = "1" * 64  # fixed, so the golden bytes do not follow edits of corpus/shapes/
+C_DRIVER = r"""
+#include <stdio.h>
+#include <inttypes.h>
+#include "dispatch_table.h"
+int main(void) {
+    char codebook[32], mode[16];
+    int64_t m, n, k;
+    gemv_dispatch_choice c;
+    while (scanf("%31s %" SCNd64 " %" SCNd64 " %" SCNd64 " %15s", codebook, &m, &n, &k, mode) == 5) {
+        int rc = gemv_dispatch_select(gemv_dispatch_codebook(codebook), m, n, k, strcmp(mode, "eager") == 0, &c);
+        if (rc) printf("error %d\n", rc);
+        else printf("%s %" PRId64 " %s\n", gemv_dispatch_candidate_ids[c.candidate], c.identity,
+                    c.overlay ? "overlay" : "fallback");
+    }
+    return 0;
+}
+"""
+
+
+def load_module(data: bytes, tmp: Path, name: str = "dispatch_table"):
+    path = tmp / f"{name}.py"
+    path.write_bytes(data)
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def random_keys(policy, rng: np.random.Generator, count: int) -> list[tuple[str, int, int, int, str]]:
+    """Keys spread over every path: trained shapes (overlays) at overlay M values, log-uniform random shapes,
+    and the extremes N = 1, K = 32, N·K near 2^40, N not a multiple of 8."""
+    trained = list(policy.table_shapes())
+    keys = []
+    for i in range(count):
+        cb = str(rng.choice(policy.codebooks))
+        kind = i % 5
+        if kind == 0:
+            cb, n, k = trained[int(rng.integers(0, len(trained)))]
+        elif kind == 1:
+            n, k = int(np.exp(rng.uniform(0, 20))) or 1, 32 * max(1, int(np.exp(rng.uniform(0, 11))))
+        elif kind == 2:
+            n, k = int(rng.choice([1, 2, 3, 7, 8, 9, 127, 128, 129])), int(rng.choice([32, 64, 96, 2048, 2080]))
+        elif kind == 3:  # N·K near 2^40
+            k = 32 * int(rng.integers(17, 1 << 16))  # N stays <= 2^31 - 1, the C header's range
+            n = max(1, (1 << 40) // k + int(rng.integers(-3, 4)))
+        else:
+            n, k = int(rng.integers(1, 1 << 31)), 32 * int(rng.integers(1, (1 << 31) // 32))
+        m = int(rng.choice([1, 2, 4, 5, 16, 31, int(rng.integers(1, 1 << 20))]))
+        keys.append((cb, m, n, k, str(rng.choice(MODES))))
+    return keys
+
+
+def c_select(header: bytes, keys, tmp: Path) -> list[str]:
+    (tmp / "dispatch_table.h").write_bytes(header)
+    (tmp / "driver.c").write_text(C_DRIVER)
+    cc = shutil.which("cc")
+    subprocess.run([cc, "-std=c99", "-O1", "-Wall", "-Wextra", "-pedantic", "-Werror", "-o", str(tmp / "driver"),
+                    str(tmp / "driver.c")], check=True, cwd=tmp)
+    text = "".join(f"{cb} {m} {n} {k} {mode}\n" for cb, m, n, k, mode in keys)
+    out = subprocess.run([str(tmp / "driver")], input=text, capture_output=True, text=True, check=True).stdout
+    return out.splitlines()
+
+
+@pytest.mark.parametrize("seed", [11, 12])
+def test_module_policy_and_header_agree(seed, tmp_path):
+    """>= 100,000 seeded keys over two random policies: generated Python == Policy.select == C header."""
+    print(f"seed {seed}")
+    policy = random_policy(seed)
+    rendered = generate.render(policy, GOLDEN_INVENTORIES)
+    module = load_module(rendered[generate.MODULE], tmp_path)
+    keys = random_keys(policy, np.random.default_rng(seed), 50_000)
+    sources = set()
+    py = []
+    for key in keys:
+        want = policy.select(*key)
+        got = module.select(*key)
+        assert tuple(got) == tuple(want), f"seed {seed} key {key}: module {got}, policy {want}"
+        sources.add(want.source)
+        py.append(f"{want.candidate} {want.identity} {want.source}")
+    assert sources == {"overlay", "fallback"}, "the keys must reach both overlays and the fallback"
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler (cc) on PATH: the header half of this test needs one")
+    c = c_select(rendered[generate.HEADER], keys, tmp_path)
+    for key, want, got in zip(keys, py, c, strict=True):
+        assert got == want, f"seed {seed} key {key}: C header {got}, policy {want}"
+
+
+def test_validity_rule_matches_registry(tmp_path):
+    """The rendered validity rule and identity function equal kernels.registry's on random (M, N, K)."""
+    module = load_module(generate.render(random_policy(3), GOLDEN_INVENTORIES)[generate.MODULE], tmp_path)
+    rng = np.random.default_rng(3)
+    for _ in range(20_000):
+        m, n, k = int(rng.integers(1, 40)), int(rng.integers(1, 5000)), 32 * int(rng.integers(1, 600))
+        for i, cand in enumerate(CANDIDATES):
+            assert module._valid(i, m, n, k) == cand.valid(m, n, k), (cand.id, m, n, k)
+            assert module._identity_of(k // 32, cand.ksplit) == cand.identity(k), (cand.id, k)
+
+
+def test_invalid_arguments_refused_by_module_and_header(tmp_path):
+    policy = random_policy(4)
+    rendered = generate.render(policy, GOLDEN_INVENTORIES)
+    module = load_module(rendered[generate.MODULE], tmp_path)
+    for bad in [("q9_9", 1, 8, 32, "graph"), ("q4_0", 0, 8, 32, "graph"), ("q4_0", 1, 8, 48, "graph"),
+                ("q4_0", 1, 8, 32, "lazy"), ("q4_0", True, 8, 32, "graph")]:
+        with pytest.raises(ValueError):
+            module.select(*bad)
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler (cc) on PATH")
+    bad_c = [("q9_9", 1, 8, 32, "graph"), ("q4_0", 0, 8, 32, "graph"), ("q4_0", 1, 8, 48, "graph"),
+             ("q4_0", 1, 1 << 31, 32, "graph")]
+    assert c_select(rendered[generate.HEADER], bad_c, tmp_path) == ["error -1", "error -2", "error -2", "error -2"]
+
+
+def test_render_is_deterministic_and_matches_golden(tmp_path):
+    """Same policy -> same bytes (twice, and against tests/golden/). Regenerate the golden files after an
+    intended template change with GEMV_DISPATCH_UPDATE_GOLDEN=1."""
+    policy = random_policy(5, codebooks=("q4_0", "q8_0"), shapes=((4096, 4096), (1000, 14336)), overlays=6,
+                           depth=3)
+    first = generate.render(policy, GOLDEN_INVENTORIES)
+    assert first == generate.render(policy, GOLDEN_INVENTORIES)
+    if os.environ.get("GEMV_DISPATCH_UPDATE_GOLDEN"):
+        for name, data in first.items():
+            (GOLDEN / name).write_bytes(data)
+    for name, data in first.items():
+        assert (GOLDEN / name).read_bytes() == data, f"{name} differs from tests/golden/{name}"
+
+
+def test_a_changed_policy_changes_the_bytes():
+    """Negative control for the golden test: one overlay more is different bytes."""
+    a = random_policy(5, codebooks=("q4_0", "q8_0"), shapes=((4096, 4096), (1000, 14336)), overlays=6, depth=3)
+    b = random_policy(5, codebooks=("q4_0", "q8_0"), shapes=((4096, 4096), (1000, 14336)), overlays=7, depth=3)
+    assert generate.render(a, GOLDEN_INVENTORIES) != generate.render(b, GOLDEN_INVENTORIES)
