@@ -342,9 +342,11 @@ def _regret_rows(options: Sequence[Any], rows: Iterable[tuple[list[int], Mapping
 
 
 def _preference(rows: _Rows, idx: np.ndarray, options: Sequence[Any]) -> tuple[Any, ...]:
-    """Greedy ordered list for the rows `idx` of a leaf: repeatedly append the option that most lowers the
-    weighted summed log regret of select's pick (first usable entry, else the canonical), then stop when no
-    option helps; ties go to the earlier option (smaller identity, registry order)."""
+    """Ordered list for the rows `idx` of a leaf. Greedy first: repeatedly append the option that most lowers
+    the weighted summed log regret of select's pick (first usable entry, else the canonical) until none
+    helps; ties go to the earlier option (smaller identity, registry order). Then every other option by its
+    weighted mean log regret in the leaf, so a shape where the leading entries cannot run (an unseen K
+    where a split is not effective) falls through to the next good one, not to the canonical candidate."""
     y, usable, w = rows.y[idx], rows.usable[idx], rows.weight[idx]
     current = rows.fallback[idx].copy()
     open_ = np.ones(len(idx), dtype=bool)  # rows whose pick the list has not decided yet
@@ -358,7 +360,9 @@ def _preference(rows: _Rows, idx: np.ndarray, options: Sequence[Any]) -> tuple[A
         chosen.append(options[j])
         current = np.where(open_ & usable[:, j], y[:, j], current)
         open_ &= ~usable[:, j]
-    return tuple(chosen)
+    mean = np.average(y, axis=0, weights=w)
+    rest = sorted((float(mean[j]), j) for j in range(len(options)) if options[j] not in chosen)
+    return (*chosen, *(options[j] for _, j in rest))
 
 
 def _fit_tree(rows: _Rows, names: tuple[str, ...], options: Sequence[Any], params: TreeParams,
@@ -424,10 +428,13 @@ def fit_policy(meas: Measurements, options: TrainOptions | None = None, model: T
                                 "modes": list(meas.modes)}
     bare = Policy(source, opts, meas.codebooks, identity_tree, launch_tree, {}, {}, tuple(meas.geometries()))
     identity_overlays: dict[IdentityKey, int] = {}
+    by_geometry: dict[Geometry, list[LaunchKey]] = {}
+    for key in meas.times:
+        by_geometry.setdefault((key[0], key[2], key[3]), []).append(key)
     for geo, want in sorted(scores.chosen.items()):
         got, _ = bare.identity(*geo)
-        per = scores.expected[geo]
-        if got not in per or per[got] > per[want] * (1.0 + meas.noise_rel):
+        if got != want and _slower(got, want, [(key[1:], meas.times[key]) for key in by_geometry[geo]],
+                                   scores.expected[geo], meas.noise_rel):
             identity_overlays[geo] = want
     with_ids = Policy(source, opts, meas.codebooks, identity_tree, launch_tree, identity_overlays, {},
                       bare.shapes)
@@ -441,6 +448,19 @@ def fit_policy(meas: Measurements, options: TrainOptions | None = None, model: T
             launch_overlays[key] = want
     return Policy(source, opts, meas.codebooks, identity_tree, launch_tree, identity_overlays, launch_overlays,
                   bare.shapes)
+
+
+def _slower(got: int, want: int, cells: list[tuple[tuple[int, int, int, str], Mapping[str, float]]],
+            expected: Mapping[int, float], noise_rel: float) -> bool:
+    """Identity `got` is measurably worse than `want`: over the profile, or in some measured cell (best launch
+    of each), beyond the noise band."""
+    if got not in expected or expected[got] > expected[want] * (1.0 + noise_rel):
+        return True
+    for (m, n, k, _), cell in cells:
+        mine, best = _best_time(cell, got, m, n, k), _best_time(cell, want, m, n, k)
+        if mine is None or (best is not None and mine > best * (1.0 + noise_rel)):
+            return True
+    return False
 
 
 def _sklearn_version() -> str:
