@@ -1,0 +1,276 @@
+"""Install certified tables (DESIGN §9) and load them for the runtime.
+
+Layout of the install location (`paths.tables_dir()`, env GEMV_DISPATCH_TABLES, or --tables):
+
+    <tables>/<gpu-slug>/versions/<version>/{dispatch_table.py, dispatch_table.h, certificate.json}
+    <tables>/<gpu-slug>/current  -> versions/<version>     the table the runtime serves
+    <tables>/<gpu-slug>/previous -> versions/<version>     kept for `install --rollback`
+    <tables>/<gpu-slug>/.lock                              flock held by an install or rollback
+
+A version folder is written under a temp name, fsynced and renamed whole, and never changed afterwards; the
+`current` and `previous` symlinks are replaced with rename (atomic), `previous` first. So a reader that
+resolves `current` always sees one complete, verified table, and an install killed at any instant leaves
+`current` at the old or the new table; the next install removes what the killed one left.
+
+`verify` is the one place a table folder is judged (install, check, and the runtime through
+`installed_table`): certificate present, canonical and self-consistent, passed; module and header bytes equal
+to what it binds; the module's own DIGESTS and GPU_NAME equal to the certificate's; made for these kernels.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import shutil
+import types
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from gemv_dispatch.dispatch.certify import current_gpu, read_certificate, sha256
+from gemv_dispatch.dispatch.corpus import gpu_slug
+from gemv_dispatch.dispatch.generate import CERTIFICATE, FILES, HEADER, MODULE
+from gemv_dispatch.dispatch.paths import tables_dir
+from gemv_dispatch.kernels import program
+from gemv_dispatch.kernels.errors import InputError
+
+CURRENT = "current"
+PREVIOUS = "previous"
+VERSIONS = "versions"
+LOCK = ".lock"
+TEMP_PREFIX = ".tmp-"
+
+
+@dataclass(frozen=True)
+class Table:
+    """A verified table folder: its file bytes, certificate, and the module executed from the verified bytes."""
+
+    folder: Path
+    files: dict[str, bytes]
+    certificate: dict[str, Any]
+    module: types.ModuleType
+
+    @property
+    def gpu_name(self) -> str:
+        return str(self.certificate["gpu_name"])
+
+    @property
+    def level(self) -> str:
+        return str(self.certificate["level"])
+
+    @property
+    def version(self) -> str:
+        return f"{sha256(self.files[MODULE])[:16]}-{self.certificate['digest'][:8]}"
+
+
+def _module(data: bytes, name: str, where: Path) -> types.ModuleType:
+    """Execute module bytes already verified (never re-read from disk: what was checked is what runs)."""
+    module = types.ModuleType(name)
+    module.__file__ = str(where)
+    exec(compile(data, str(where), "exec"), module.__dict__)  # bytes bound by a passed certificate
+    return module
+
+
+def verify(folder: Path) -> Table:
+    """Judge a table folder (generated/<gpu-slug>/ or an installed version); InputError naming the defect."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise InputError(f"{folder}: no such table folder")
+    try:
+        cert_bytes = (folder / CERTIFICATE).read_bytes()
+    except FileNotFoundError:
+        raise InputError(f"{folder}: no {CERTIFICATE}; a table is installed only with its certificate") from None
+    cert = read_certificate(cert_bytes, str(folder / CERTIFICATE))
+    files = {CERTIFICATE: cert_bytes}
+    for name in (MODULE, HEADER):
+        try:
+            files[name] = (folder / name).read_bytes()
+        except FileNotFoundError:
+            raise InputError(f"{folder}: no {name}") from None
+        if sha256(files[name]) != cert["digests"]["artifacts"].get(name):
+            raise InputError(f"{folder / name}: its bytes differ from what the certificate binds (edited after "
+                             "generation?)")
+    if cert.get("passed") is not True:
+        raise InputError(f"{folder / CERTIFICATE}: the certificate records failed or missing checks")
+    if cert["digests"]["kernels"] != program.digest():
+        raise InputError(f"{folder}: certified for kernel sources {cert['digests']['kernels'][:12]}, these are "
+                         f"{program.digest()[:12]}: sweep, train and certify again")
+    module = _module(files[MODULE], f"gemv_dispatch_table_{cert['gpu_slug'].replace('-', '_')}", folder / MODULE)
+    bound = {k: v for k, v in cert["digests"].items() if k != "artifacts"}
+    if getattr(module, "DIGESTS", None) != bound or getattr(module, "GPU_NAME", None) != cert["gpu_name"]:
+        raise InputError(f"{folder / MODULE}: its DIGESTS or GPU_NAME differ from the certificate's")
+    return Table(folder, files, cert, module)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The runtime's view
+
+
+@dataclass(frozen=True)
+class LoadedTable:
+    """The installed table of one GPU model, as the runtime uses it (SPEC.md)."""
+
+    table: Table
+    gpu_level: bool  # certified on a GPU of this model (DESIGN §9: only then may it serve that GPU)
+
+    @property
+    def certificate(self) -> dict[str, Any]:
+        return self.table.certificate
+
+    def select(self, codebook: str, m: int, n: int, k: int, mode: str = "graph") -> Any:
+        """Choice(candidate, identity, source) of the installed module; ValueError for invalid arguments."""
+        return self.table.module.select(codebook, m, n, k, mode)
+
+
+@cache
+def _load_version(folder: str) -> Table:
+    # A version folder never changes once renamed into place, so it is verified once per process.
+    return verify(Path(folder))
+
+
+def installed_table(gpu_name: str, tables: Path | None = None) -> LoadedTable | None:
+    """The table installed for `gpu_name`'s model, or None when none is. InputError when one is installed but
+    fails verification (damaged, or made for other kernel sources)."""
+    link = (tables or tables_dir()) / gpu_slug(gpu_name) / CURRENT
+    if not link.is_symlink():
+        return None
+    table = _load_version(str(link.resolve()))
+    return LoadedTable(table, table.level == "gpu" and table.gpu_name == gpu_name)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Install and rollback
+
+
+@dataclass(frozen=True)
+class Installed:
+    folder: Path  # <tables>/<gpu-slug>
+    version: str
+    level: str
+    previous: str | None
+    note: str  # one line for the user
+
+
+@contextlib.contextmanager
+def _locked(slot: Path) -> Iterator[None]:
+    """An exclusive, non-blocking flock: a second install fails at once instead of queueing behind the first.
+    The kernel releases it when the holder dies, so a killed install never leaves the slot locked."""
+    fd = os.open(slot / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise InputError(f"{slot}: another install or rollback is in progress; try again when it ends") from None
+        yield
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _target(slot: Path, name: str) -> str | None:
+    """Where a symlink of the slot points (relative, versions/<version>), or None."""
+    link = slot / name
+    return os.readlink(link) if link.is_symlink() else None
+
+
+def _point(slot: Path, name: str, target: str) -> None:
+    """Make slot/name a symlink to `target`, atomically (a new link renamed over the old one)."""
+    tmp = slot / f".{name}.tmp"
+    tmp.unlink(missing_ok=True)
+    os.symlink(target, tmp)
+    os.replace(tmp, slot / name)
+    _fsync_dir(slot)
+
+
+def _tidy(slot: Path) -> None:
+    """Remove what an interrupted install left (temp folders and links) and versions nothing points at."""
+    keep = {Path(t).name for t in (_target(slot, CURRENT), _target(slot, PREVIOUS)) if t}
+    for stray in slot.glob(".*.tmp"):
+        stray.unlink()
+    versions = slot / VERSIONS
+    for entry in versions.iterdir() if versions.is_dir() else ():
+        if entry.name not in keep:
+            shutil.rmtree(entry)
+
+
+def _write_version(slot: Path, table: Table) -> str:
+    """versions/<version>/ with the table's files, complete before it gets its name; returns the link target."""
+    versions = slot / VERSIONS
+    versions.mkdir(exist_ok=True)
+    final = versions / table.version
+    if not final.is_dir():
+        tmp = versions / f"{TEMP_PREFIX}{table.version}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        try:
+            for name in FILES:
+                fd = os.open(tmp / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                with os.fdopen(fd, "wb") as out:
+                    out.write(table.files[name])
+                    out.flush()
+                    os.fsync(out.fileno())
+            _fsync_dir(tmp)
+            os.rename(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        _fsync_dir(versions)
+    return f"{VERSIONS}/{table.version}"
+
+
+def install(source: Path, tables: Path | None = None,
+            gpu: Callable[[], dict[str, str] | None] = current_gpu) -> Installed:
+    """Verify the table in `source` and make it the current table of its GPU model under `tables`.
+
+    Refused (InputError) when `verify` refuses it, when this machine has a GPU of another model, or when it
+    has a GPU of this model but the certificate is emulator-level. On a machine without a GPU an
+    emulator-level table installs, marked as such (the runtime serves no GPU from it). `gpu` reports this
+    machine's GPU (tests substitute it)."""
+    table = verify(source)
+    here = gpu()
+    if here is not None and here["name"] != table.gpu_name:
+        raise InputError(f"{source}: a table for {table.gpu_name}, this machine has a {here['name']}")
+    if here is not None and table.level != "gpu":
+        raise InputError(f"{source}: emulator-level certificate; certify the policy on this {here['name']} "
+                         "(gemv-dispatch certify --device gpu) before installing it here")
+    root = tables or tables_dir()
+    slot = root / table.certificate["gpu_slug"]
+    slot.mkdir(parents=True, exist_ok=True)
+    with _locked(slot):
+        _tidy(slot)
+        target = _write_version(slot, table)
+        old = _target(slot, CURRENT)
+        if old != target:
+            if old is not None:
+                _point(slot, PREVIOUS, old)
+            _point(slot, CURRENT, target)
+        _tidy(slot)
+    note = ("GPU-level certificate" if table.level == "gpu" else
+            "emulator-level certificate (no GPU here): it serves no GPU until certified on one")
+    return Installed(slot, table.version, table.level, Path(old).name if old and old != target else None, note)
+
+
+def rollback(gpu_name_or_slug: str, tables: Path | None = None) -> Installed:
+    """Swap the current and previous tables of a GPU model; InputError when there is no previous table."""
+    slot = (tables or tables_dir()) / gpu_slug(gpu_name_or_slug)
+    if not (slot / CURRENT).is_symlink():
+        raise InputError(f"{slot}: no installed table")
+    with _locked(slot):
+        old, prev = _target(slot, CURRENT), _target(slot, PREVIOUS)
+        if prev is None or old is None:
+            raise InputError(f"{slot}: no previous table to roll back to")
+        table = verify(slot / prev)  # never make a damaged table current
+        _point(slot, CURRENT, prev)
+        _point(slot, PREVIOUS, old)
+    return Installed(slot, Path(prev).name, table.level, Path(old).name, "rolled back")
+
