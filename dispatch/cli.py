@@ -222,5 +222,119 @@ def corpus_compact(folder: Path) -> None:
     click.echo(f"{folder}: {before} shards -> {after}")
 
 
+# ---------------------------------------------------------------------------------------------------------
+# train -> evaluate, explain (dispatch.train, dispatch.evaluate, dispatch.explain)
+
+
+def _corpus_folder(folder: Path | None) -> Path:
+    """FOLDER, else the one committed corpus folder of the reference data (an error if there are several)."""
+    from gemv_dispatch.dispatch.paths import data_dir
+
+    if folder is not None:
+        return folder
+    found = sorted(p.parent for p in (data_dir() / "corpus").glob("*/manifest.json"))
+    if len(found) != 1:
+        raise InputError(f"name a CORPUS folder ({len(found)} corpora under {data_dir() / 'corpus'})")
+    return found[0]
+
+
+def _profile(text: str | None) -> dict[int, int]:
+    from gemv_dispatch.dispatch.policy import DEFAULT_PROFILE, parse_profile
+
+    return parse_profile(text) if text is not None else dict(DEFAULT_PROFILE)
+
+
+PROFILE_OPTION = click.option("--profile", help="M profile as M:WEIGHT pairs, e.g. 1:0.5,4:0.25,16:0.25 "
+                              "[default: 0.5 on M=1, 0.5 spread evenly over M in 2..16 and 31].")
+
+
+@main.command("train")
+@click.argument("corpus_folder", required=False, type=click.Path(path_type=Path))
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="Policy file to write (canonical JSON).")
+@PROFILE_OPTION
+@click.option("--force", is_flag=True, help="Train on a corpus of other kernel sources (the table cannot be "
+              "certified).")
+@user_errors
+def train_command(corpus_folder: Path | None, output: Path, profile: str | None, force: bool) -> None:
+    """Learn a dispatch policy from CORPUS_FOLDER [default: the committed corpus]: one identity per
+    (codebook, N, K) over the M profile, a decision-tree fallback for every shape, exact overlays.
+    Same corpus and options give the same bytes."""
+    from gemv_dispatch.dispatch import train
+    from gemv_dispatch.dispatch.corpus import load
+
+    options = train.TrainOptions(profile=_profile(profile))
+    policy, notes = train.train(load(_corpus_folder(corpus_folder)), options, force=force)
+    for note in notes:
+        click.echo(f"warning: {note}", err=True)
+    policy.save(output)
+    click.echo(f"wrote {output}: {len(policy.codebooks)} codebooks, {len(policy.shapes)} trained shapes, "
+               f"{len(policy.identity_overlays)} identity and {len(policy.launch_overlays)} launch overlays")
+
+
+@main.command("evaluate")
+@click.argument("corpus_folder", required=False, type=click.Path(path_type=Path))
+@PROFILE_OPTION
+@click.option("--folds", type=click.IntRange(2), default=5, show_default=True, help="Grouped CV folds.")
+@click.option("--json", "as_json", is_flag=True, help="Print the whole report as one JSON object.")
+@click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), help="Write the regret CDF here "
+              "(needs the `plot` extra: matplotlib).")
+@click.option("--force", is_flag=True, help="Evaluate a corpus of other kernel sources.")
+@user_errors
+def evaluate_command(corpus_folder: Path | None, profile: str | None, folds: int, as_json: bool,
+                     plot: Path | None, force: bool) -> None:
+    """Regret against the per-cell oracle: the policy, its fallback under grouped CV and on the sealed
+    family hold-out, best single candidate, an MMVQ-style rule, and the price of invariance."""
+    from gemv_dispatch.dispatch import evaluate, train
+    from gemv_dispatch.dispatch.corpus import load
+
+    if plot is not None:
+        evaluate.require_matplotlib()  # fail before minutes of fitting, not after
+    report = evaluate.evaluate(load(_corpus_folder(corpus_folder)), train.TrainOptions(profile=_profile(profile)),
+                               folds=folds, force=force)
+    if plot is not None:
+        evaluate.plot_cdf(report, plot)
+    if as_json:
+        click.echo(json.dumps(report.data, indent=1, sort_keys=True))
+        return
+    click.echo(evaluate.render(report.data))
+
+
+@main.command("explain")
+@click.argument("codebook")
+@click.argument("m", type=int)
+@click.argument("n", type=int)
+@click.argument("k", type=int)
+@click.option("--mode", type=click.Choice(["graph", "eager"]), default="graph", show_default=True)
+@click.option("--policy", "policy_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="Policy file [default: train one on the corpus now].")
+@click.option("--corpus", "corpus_folder", type=click.Path(path_type=Path),
+              help="Corpus for the neighbours and the time model [default: the committed corpus].")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@user_errors
+def explain_command(codebook: str, m: int, n: int, k: int, mode: str, policy_path: Path | None,
+                    corpus_folder: Path | None, as_json: bool) -> None:
+    """Why (CODEBOOK, M, N, K) gets its kernel: pick, identity, overlay or fallback, measured neighbours,
+    predicted time and GB/s."""
+    from gemv_dispatch.dispatch import policy, train
+    from gemv_dispatch.dispatch.corpus import load
+    from gemv_dispatch.dispatch.explain import explain
+
+    corpus = load(_corpus_folder(corpus_folder))
+    chosen = policy.load(policy_path) if policy_path is not None else train.train(corpus)[0]
+    out = explain(chosen, corpus, codebook, m, n, k, mode)
+    if as_json:
+        click.echo(json.dumps(out, indent=1, sort_keys=True))
+        return
+    click.echo(f"{out['codebook']} M={m} N={n} K={k} {mode}: {out['candidate']} (identity S={out['identity']}, "
+               f"decided by the {out['source']}{', measured cell' if out['measured'] else ''})")
+    click.echo(f"predicted {out['predicted_us']:.2f} us, {out['gbps']:.0f} GB/s of weights")
+    click.echo("measured neighbours (same codebook and mode):")
+    for nb in out["neighbours"]:
+        same = (f"S={out['identity']}: {nb['same_identity']} {nb['same_identity_us']:.2f} us"
+                if "same_identity" in nb else f"S={out['identity']}: not measured")
+        click.echo(f"  M={nb['m']:<3} N={nb['n']:<7} K={nb['k']:<6} best {nb['best']} {nb['best_us']:.2f} us; {same}")
+
+
 if __name__ == "__main__":  # `python -m gemv_dispatch.dispatch.cli`: how a --devices sweep starts its children
     main()

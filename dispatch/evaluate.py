@@ -212,8 +212,31 @@ def _shapes() -> Path:
     return shapes_dir()
 
 
-def plot_cdf(report: Report, path: Path) -> None:
-    """Regret CDF per method into `path` (PNG/SVG/PDF by suffix); InputError when matplotlib is missing."""
+def render(data: Mapping[str, Any]) -> str:
+    """The report as a text table (regrets in %)."""
+    codebooks = list(data["methods"]["policy"]["codebook"])
+    head = f"{'method':<18} {'cells':>5} {'geomean':>8} {'p95':>8} {'max':>8}  " + " ".join(
+        f"{cb:>7}" for cb in codebooks)
+    lines = [f"corpus {data['corpus']['corpus']} ({data['cells']} cells, noise band {100 * data['noise_rel']:.0f} %);"
+             f" hold-out families {', '.join(data['holdout']['families'])} ({data['holdout']['geometries']} "
+             f"geometries); {data['cv_folds']}-fold CV grouped by (N, K)",
+             "regret vs the per-cell oracle [%]: all cells, then geomean per codebook", head]
+    for name, b in data["methods"].items():
+        a = b["all"]
+        lines.append(f"{name:<18} {a['n']:>5} {a['geomean']:>8.2f} {a['p95']:>8.2f} {a['max']:>8.2f}  "
+                     + " ".join(f"{b['codebook'].get(cb, {}).get('geomean', float('nan')):>7.2f}"
+                                for cb in codebooks))
+    p = data["price_of_invariance"]
+    lines += [f"price of invariance: M=1 geomean {p['m1']['geomean']:.2f} % (p95 {p['m1']['p95']:.2f}, max "
+              f"{p['m1']['max']:.2f}); over the profile geomean {p['profile']['geomean']:.2f} % (max "
+              f"{p['profile']['max']:.2f}, {p['profile']['n']} cells, unmeasured M from the time model)",
+              f"policy vs the invariant oracle: {100 * data['policy_within_noise']:.1f} % of cells within the noise "
+              f"band; overlays: {data['overlays']['identity']} identity, {data['overlays']['launch']} launch"]
+    return "\n".join(lines)
+
+
+def require_matplotlib() -> Any:
+    """matplotlib.pyplot on the Agg backend; InputError naming the extra when it is not installed."""
     try:
         import matplotlib
 
@@ -221,6 +244,12 @@ def plot_cdf(report: Report, path: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise InputError("--plot needs matplotlib: pip install 'gemv-dispatch[plot]'") from None
+    return plt
+
+
+def plot_cdf(report: Report, path: Path) -> None:
+    """Regret CDF per method into `path` (PNG/SVG/PDF by suffix); InputError when matplotlib is missing."""
+    plt = require_matplotlib()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, ratios in report.regrets.items():
         r = 100 * (np.asarray(ratios) - 1)
