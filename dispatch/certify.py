@@ -45,7 +45,7 @@ from gemv_dispatch.dispatch.policy import Policy, canonical_bytes
 from gemv_dispatch.dispatch.timing import cell_seed
 from gemv_dispatch.kernels import emulate, program
 from gemv_dispatch.kernels.codebooks import CODEBOOKS, EXECUTION, get
-from gemv_dispatch.kernels.errors import BLOCK, InputError
+from gemv_dispatch.kernels.errors import BLOCK, EnvironmentProblem, InputError
 from gemv_dispatch.kernels.layout import PackedWeights
 from gemv_dispatch.kernels.registry import Candidate, by_id
 
@@ -446,7 +446,7 @@ def runner_for(device: str, seed: int = 0) -> Runner:
         return EmulatorRunner(seed)
     try:
         return GpuRunner(seed)
-    except InputError:
+    except (InputError, EnvironmentProblem):
         if device == "gpu":
             raise
         return EmulatorRunner(seed)
@@ -456,7 +456,7 @@ def current_gpu() -> dict[str, str] | None:
     """{"name", "uuid"} of CUDA device 0, or None on a machine without CuPy or a usable device."""
     try:
         return GpuRunner().device()
-    except InputError:
+    except (InputError, EnvironmentProblem):
         return None
 
 

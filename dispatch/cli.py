@@ -336,5 +336,188 @@ def explain_command(codebook: str, m: int, n: int, k: int, mode: str, policy_pat
         click.echo(f"  M={nb['m']:<3} N={nb['n']:<7} K={nb['k']:<6} best {nb['best']} {nb['best_us']:.2f} us; {same}")
 
 
+
+# ---------------------------------------------------------------------------------------------------------
+# certify -> generate -> install -> check, and tune (all of it)
+
+DEVICE_OPTION = click.option("--device", type=click.Choice(["auto", "gpu", "emulator"]), default="auto",
+                             show_default=True, help="Where launches run: the GPU (CuPy, device 0), the CPU "
+                             "emulator (emulator-level), or the GPU when there is one.")
+TABLES_OPTION = click.option("--tables", type=click.Path(file_okay=False, path_type=Path),
+                             help="Install location [default: $GEMV_DISPATCH_TABLES, else "
+                             "~/.local/share/gemv-dispatch/tables].")
+
+
+def _echo_lines(lines: list[str]) -> None:
+    for line in lines:
+        click.echo(line)
+
+
+@main.command("certify")
+@click.argument("policy_path", metavar="POLICY", type=click.Path(path_type=Path))
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True,
+              help="Certificate file to write (JSON).")
+@click.option("--corpus", "corpus_folder", type=click.Path(file_okay=False, path_type=Path),
+              help="The corpus folder the policy was trained on: refused if its manifest differs.")
+@DEVICE_OPTION
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of weights, activations and samples.")
+@user_errors
+def certify_command(policy_path: Path, output: Path, corpus_folder: Path | None, device: str, seed: int) -> None:
+    """Certify POLICY (DESIGN §7): every table shape and a seeded sample of unmeasured ones, every M in
+    {1..16, 31}, both modes: grouped == serial M=1 bytes, repeat, permutation, poison, emulator equality,
+    negative control, spill-free kernels. Exit 1 when a check fails (the certificate records it)."""
+    from gemv_dispatch.dispatch import certify, generate, policy
+
+    loaded = policy.load(policy_path)
+    with certify.runner_for(device, seed) as runner:
+        cert = certify.certify(loaded, generate.render(loaded), runner, seed=seed, corpus_folder=corpus_folder)
+    output.write_bytes(certify.certificate_bytes(cert))
+    click.echo(f"{output}: {'passed' if cert['passed'] else 'FAILED'} ({cert['level']}-level on "
+               f"{cert['device']['name']}, {cert['keys']} keys, {cert['seconds']} s)")
+    if not cert["passed"]:
+        sys.exit(1)
+
+
+@main.command("generate")
+@click.argument("policy_path", metavar="POLICY", type=click.Path(path_type=Path))
+@click.option("--cert", "cert_path", type=click.Path(dir_okay=False, path_type=Path), required=True,
+              help="The certificate `certify` wrote for POLICY.")
+@click.option("-o", "--output", type=click.Path(file_okay=False, path_type=Path),
+              help="Folder to write [default: generated/<gpu-slug>/ of the work folder].")
+@user_errors
+def generate_command(policy_path: Path, cert_path: Path, output: Path | None) -> None:
+    """Render POLICY as dispatch_table.py (standard library only) and dispatch_table.h (C99) with its
+    certificate; refused unless the certificate passed and binds exactly the rendered bytes."""
+    from gemv_dispatch.dispatch import generate, policy
+    from gemv_dispatch.dispatch.corpus import gpu_slug
+    from gemv_dispatch.dispatch.paths import home_dir
+
+    loaded = policy.load(policy_path)
+    folder = output or home_dir() / "generated" / gpu_slug(str(loaded.source.get("gpu_name")))
+    generate.generate(loaded, cert_path, folder)
+    click.echo(f"{folder}: {', '.join(generate.FILES)}")
+
+
+@main.command("install")
+@click.argument("source", required=False, type=click.Path(path_type=Path))
+@TABLES_OPTION
+@click.option("--rollback", is_flag=True, help="Make the previous table current again (SOURCE: the GPU model or "
+              "its generated folder; default: this machine's GPU).")
+@user_errors
+def install_command(source: Path | None, tables: Path | None, rollback: bool) -> None:
+    """Install the certified table in SOURCE (generated/<gpu-slug>/) for the runtime, atomically, keeping
+    the previous one. Refused: a missing, edited or failed certificate, an edited module, other kernel
+    sources, another GPU model than this machine's, another install in progress."""
+    from gemv_dispatch.dispatch import certify, install
+
+    if rollback:
+        if source is None:
+            here = certify.current_gpu()
+            if here is None:
+                raise InputError("--rollback needs the GPU model (e.g. nvidia-h200) on a machine without a GPU")
+            name = here["name"]
+        else:
+            name = source.name
+        done = install.rollback(name, tables)
+    else:
+        if source is None:
+            raise InputError("name the table folder to install, e.g. generated/nvidia-h200/")
+        done = install.install(source, tables)
+    click.echo(f"{done.folder}: current is {done.version}, previous {done.previous or 'none'} ({done.note})")
+
+
+@main.command("check")
+@click.argument("source", required=False, type=click.Path(path_type=Path))
+@click.option("--installed", is_flag=True, help="Check the table installed for this machine's GPU (or, without "
+              "one, SOURCE names the GPU model).")
+@TABLES_OPTION
+@DEVICE_OPTION
+@user_errors
+def check_command(source: Path | None, installed: bool, tables: Path | None, device: str) -> None:
+    """Re-run the certification checks on a table here: SOURCE (generated/<gpu-slug>/) or --installed.
+    Prints a per-codebook summary; exit 1 on any difference, naming the shape, M and first differing element."""
+    from gemv_dispatch.dispatch import certify, check, install
+    from gemv_dispatch.dispatch.paths import tables_dir
+
+    if installed:
+        here = certify.current_gpu()
+        model = here["name"] if here else (source.name if source else None)
+        if model is None:
+            raise InputError("--installed on a machine without a GPU needs the GPU model, e.g. nvidia-h200")
+        link = (tables or tables_dir()) / install.gpu_slug(model) / install.CURRENT
+        if not link.is_symlink():
+            raise InputError(f"{link}: no table is installed for {model}")
+        table = install.verify(link.resolve())
+    elif source is not None:
+        table = install.verify(source)
+    else:
+        raise InputError("name a table folder (generated/<gpu-slug>/) or pass --installed")
+    runner = certify.runner_for(device, int(table.certificate["seed"]))
+    if runner.level == "emulator":
+        click.echo("no GPU: emulator-level check (the emulator stands in for the device)")
+    report = check.check(table, runner, lambda line: click.echo(line, err=True))
+    for cb, outcomes in report.by_codebook.items():
+        counts = outcomes["grouped_equals_serial"].counts
+        bad = sum(o.counts["failed"] for o in outcomes.values())
+        click.echo(f"{cb:<8} {counts['keys']:>6} keys  {'ok' if not bad else f'{bad} FAILED'}")
+    for name, outcome in report.overall.items():
+        click.echo(f"{name}: {outcome.result}" + (f" ({outcome.reason})" if outcome.reason else ""))
+    if not report.passed:
+        _echo_lines(report.failures()[:20])
+        sys.exit(1)
+    click.echo(f"{table.folder}: ok ({report.level}-level on {report.device})")
+
+
+@main.command("tune")
+@click.option("--corpus-root", type=click.Path(file_okay=False, path_type=Path),
+              help="Folder of the corpus folders [default: corpus/ of the work folder; a temp folder with --replay].")
+@click.option("--replay", type=click.Path(path_type=Path),
+              help="Serve timings from this corpus folder instead of sweeping a GPU.")
+@click.option("--generated", "generated_root", type=click.Path(file_okay=False, path_type=Path),
+              help="Where generated/<gpu-slug>/ goes [default: generated/ of the work folder].")
+@TABLES_OPTION
+@click.option("--codebooks", default=DEFAULT_CODEBOOKS, show_default=True, help="Sweep: comma list, or 'all'.")
+@click.option("--m", "ms", default=DEFAULT_MS, show_default=True, help="Sweep: activation rows M, comma list.")
+@click.option("--modes", default=DEFAULT_MODES, show_default=True, help="Sweep: graph, eager or both.")
+@click.option("--shapes", "shape_paths", multiple=True, type=click.Path(path_type=Path),
+              help="Sweep: inventory file or directory (repeatable) [default: the model inventories].")
+@click.option("--seed", type=int, default=0, show_default=True, help="Certification seed.")
+@user_errors
+def tune_command(corpus_root: Path | None, replay: Path | None, generated_root: Path | None, tables: Path | None,
+                 codebooks: str, ms: str, modes: str, shape_paths: tuple[Path, ...], seed: int) -> None:
+    """The main job: sweep this GPU (resumable) -> train -> certify -> generate -> install, one transaction
+    (nothing installed unless every stage passed). Without a GPU: the embedded default (replay of the
+    committed corpus/nvidia-h200/, emulator-level certification, the regenerated module compared with the
+    committed generated/nvidia-h200/; nothing installed)."""
+    import tempfile
+
+    from gemv_dispatch.dispatch import certify, sweep, tune
+    from gemv_dispatch.dispatch.corpus import load
+    from gemv_dispatch.dispatch.paths import home_dir
+
+    log = lambda line: click.echo(line, err=True)  # noqa: E731 - progress to stderr, the summary to stdout
+    gpu = certify.current_gpu()
+    if gpu is None and replay is None:
+        click.echo("no GPU here: running the embedded default (replay of the committed nvidia-h200 corpus, "
+                   "emulator-level certification, reproducibility check)")
+        result = tune.embedded_default(log, seed)
+        _echo_lines(result.lines())
+        if result.reproduced is False:
+            sys.exit(1)
+        return
+    with tempfile.TemporaryDirectory(prefix="gemv-dispatch-replay-") as tmp:
+        if replay is not None:
+            source = load(replay)
+            plan, timer = tune.replay_plan(source), sweep.ReplayTimer(source)
+            root = corpus_root or Path(tmp)
+        else:
+            plan = sweep.parse_plan(codebooks, ms, modes, shape_paths)
+            timer, root = sweep.GpuTimer(plan.timing), corpus_root or home_dir() / "corpus"
+        runner = certify.runner_for("auto", seed)
+        result = tune.tune(plan, root, timer, runner, generated_root or home_dir() / "generated", tables, seed=seed,
+                           log=log)
+        _echo_lines(result.lines())
+
+
 if __name__ == "__main__":  # `python -m gemv_dispatch.dispatch.cli`: how a --devices sweep starts its children
     main()

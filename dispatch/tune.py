@@ -1,0 +1,163 @@
+"""`gemv-dispatch tune`, the main job: sweep -> train -> certify -> generate -> install, as one transaction.
+
+Each stage prints a progress line; the first failure stops the run and nothing is installed (a certificate that
+records a failed check stops it before anything is written to generated/). Without a GPU and without
+`--replay`, `tune` runs the embedded default: it replays the committed corpus/nvidia-h200/ into a temp folder,
+trains, certifies on the emulator, renders, and checks that the module is byte-identical to the committed
+generated/nvidia-h200/ (the table a GPU run produced from the same corpus): the pipeline is reproducible.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gemv_dispatch.dispatch import certify, generate, install
+from gemv_dispatch.dispatch.corpus import Corpus, load
+from gemv_dispatch.dispatch.paths import data_dir
+from gemv_dispatch.dispatch.policy import Policy
+from gemv_dispatch.dispatch.sweep import SweepPlan, Timer, run_sweep
+from gemv_dispatch.kernels.errors import InputError
+
+DEFAULT_GPU = "nvidia-h200"  # the committed corpus and table the embedded default reproduces
+POLICY = "policy.json"
+
+
+class StageFailed(InputError):
+    """A stage's result forbids going on (a failed certificate); nothing was installed."""
+
+
+@dataclass(frozen=True)
+class TuneResult:
+    corpus: Path
+    cells: int
+    policy: Policy
+    regret: dict[str, Any]  # geomean / p95 / max of the policy's time over the per-cell best (evaluate.summary)
+    price_of_invariance: dict[str, Any]  # the same for the best launch of the chosen identity over the best
+    certificate: dict[str, Any]
+    generated: Path | None  # None: rendered into a temp folder and compared (the embedded default)
+    installed: install.Installed | None
+    reproduced: bool | None  # embedded default: module and header equal the committed ones (None: nothing to compare)
+
+    def lines(self) -> list[str]:
+        """The final summary, one fact a line."""
+        cert = self.certificate
+        checks = ", ".join(f"{name} {c['result']}" for name, c in cert["checks"].items())
+        out = [
+            f"corpus: {self.corpus} ({self.cells} cells)",
+            f"policy: {len(self.policy.identity_overlays)} identity and {len(self.policy.launch_overlays)} launch "
+            f"overlays; regret {_pct(self.regret)}; price of invariance {_pct(self.price_of_invariance)}",
+            f"certificate: {'passed' if cert['passed'] else 'FAILED'} at {cert['level']} level on "
+            f"{cert['device']['name']}, {cert['keys']} keys, {cert['seconds']} s ({checks})",
+            f"generated: {self.generated or 'a temporary folder (removed), compared below'}",
+        ]
+        if self.installed is not None:
+            out.append(f"installed: {self.installed.folder} version {self.installed.version} ({self.installed.note})")
+        else:
+            out.append("installed: nothing (the embedded default only verifies reproducibility)")
+        if self.reproduced is not None:
+            out.append(f"reproducible: {'yes' if self.reproduced else 'NO'}, the regenerated module is "
+                       f"{'byte-identical to' if self.reproduced else 'different from'} "
+                       f"{data_dir() / 'generated' / DEFAULT_GPU}")
+        return out
+
+
+def _pct(summary: Mapping[str, Any]) -> str:
+    return "geomean {geomean:.2f} %, p95 {p95:.2f} %, max {max:.2f} %".format(**summary)
+
+
+@contextmanager
+def _stage(name: str, log: Callable[[str], None]) -> Iterator[None]:
+    start = time.monotonic()
+    log(f"[{name}] ...")
+    yield
+    log(f"[{name}] done in {time.monotonic() - start:.1f} s")
+
+
+def replay_plan(source: Corpus) -> SweepPlan:
+    """The sweep plan whose cells are exactly a corpus's cells (InputError if they are not a full grid)."""
+    cells = source.cells()
+    if not cells:
+        raise InputError(f"{source.folder}: the corpus holds no cells to replay")
+    plan = SweepPlan(tuple(sorted({c.codebook for c in cells})), tuple(sorted({c.m for c in cells})),
+                     tuple(sorted({c.mode for c in cells})), tuple(sorted({(c.n, c.k) for c in cells})))
+    if sorted(plan.cells()) != sorted(cells):
+        raise InputError(f"{source.folder}: its cells are not a full codebook x M x mode x shape grid; replay it "
+                         "with `gemv-dispatch sweep --replay` and the matching options")
+    return plan
+
+
+def _quality(policy: Policy, corpus: Corpus) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(regret, price of invariance) summaries of the policy over the corpus's measured cells."""
+    from gemv_dispatch.dispatch.evaluate import invariant_ratios, policy_ratios, summary
+    from gemv_dispatch.dispatch.train import Measurements
+
+    meas = Measurements.from_corpus(corpus)
+    chosen = {geo: policy.identity(*geo)[0] for geo in meas.geometries()}
+    return summary(policy_ratios(policy, meas).values()), summary(invariant_ratios(meas, chosen).values())
+
+
+def tune(plan: SweepPlan, corpus_root: Path, timer: Timer, runner: certify.Runner, generated_root: Path,
+         tables: Path | None, *, install_table: bool = True, seed: int = 0,
+         gpu: Callable[[], dict[str, str] | None] = certify.current_gpu,
+         log: Callable[[str], None] = certify._log) -> TuneResult:
+    """Run every stage; StageFailed (nothing installed) when certification fails. `gpu` reports this machine's
+    GPU to `install` (tests substitute it)."""
+    from gemv_dispatch.dispatch.train import train
+
+    with _stage("sweep", log):
+        swept = run_sweep(plan, corpus_root, timer)
+        folder = Path(swept.folders[0])
+        log(f"  {swept.cells} cells: {swept.timed} timed, {swept.skipped} already in {folder}")
+    with _stage("train", log):
+        corpus = load(folder)
+        policy, notes = train(corpus)
+        policy = Policy.from_bytes(policy.to_bytes(), "trained policy")  # carries its digest from here on
+        for note in notes:
+            log(f"  warning: {note}")
+        regret, price = _quality(policy, corpus)
+        log(f"  regret {_pct(regret)}; price of invariance {_pct(price)}")
+    with _stage("certify", log), runner:
+        rendered = generate.render(policy)
+        cert = certify.certify(policy, rendered, runner, seed=seed, corpus_folder=folder, log=log)
+    if not cert["passed"]:
+        failed = [f"{n}: {c['failures'][:1] or c['result']}" for n, c in cert["checks"].items()
+                  if c["result"] == "fail"]
+        raise StageFailed(f"certification failed, nothing installed: {'; '.join(failed)}")
+    with _stage("generate", log):
+        out = generate.write(generated_root / cert["gpu_slug"], rendered, cert)
+        (out / POLICY).write_bytes(policy.to_bytes())
+        log(f"  {out}")
+    installed = None
+    if install_table:
+        with _stage("install", log):
+            installed = install.install(out, tables, gpu)
+            log(f"  {installed.folder} version {installed.version}: {installed.note}")
+    return TuneResult(folder, len(corpus.cells()), policy, regret, price, cert, out, installed, None)
+
+
+def embedded_default(log: Callable[[str], None] = certify._log, seed: int = 0) -> TuneResult:
+    """The CPU run: replay the committed corpus, train, certify on the emulator, render, compare with the
+    committed table. Nothing is installed."""
+    from gemv_dispatch.dispatch.sweep import ReplayTimer
+
+    source = load(data_dir() / "corpus" / DEFAULT_GPU)
+    committed = data_dir() / "generated" / DEFAULT_GPU
+    with tempfile.TemporaryDirectory(prefix="gemv-dispatch-tune-") as tmp:
+        result = tune(replay_plan(source), Path(tmp) / "corpus", ReplayTimer(source),
+                      certify.EmulatorRunner(seed), Path(tmp) / "generated", None, install_table=False, seed=seed,
+                      log=log)
+        if not (committed / generate.MODULE).is_file():
+            log(f"reproducible: cannot say, {committed} holds no table yet (it is committed after a GPU run)")
+            reproduced = None
+        else:
+            reproduced = all((committed / name).read_bytes() == (result.generated / name).read_bytes()
+                             for name in (generate.MODULE, generate.HEADER))
+        return TuneResult(source.folder, result.cells, result.policy, result.regret, result.price_of_invariance,
+                          result.certificate, None, None, reproduced)
+

@@ -1,0 +1,90 @@
+"""`gemv-dispatch tune` end to end on a CPU (replay of the synthetic fixture corpus): every stage, a table
+installed at emulator level; then `check` on it, including a table whose module decides wrongly."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from corpus_fixture import build_corpus
+from gemv_dispatch.dispatch import certify, generate, install
+from gemv_dispatch.dispatch.cli import main
+from policy_fixture import FAKE_GPU
+from table_fixture import forge
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tune")
+    corpus = build_corpus(root / "corpus")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(certify.shutil, "which", lambda name: None)  # the spill check has its own tests
+        result = CliRunner().invoke(main, ["tune", "--replay", str(corpus), "--generated", str(root / "generated"),
+                                           "--tables", str(root / "tables")])
+    return root, result
+
+
+def test_tune_runs_every_stage_and_installs(tuned):
+    root, result = tuned
+    assert result.exit_code == 0, result.output
+    for stage in ("sweep", "train", "certify", "generate", "install"):
+        assert f"[{stage}] done" in result.output
+    for fact in ("cells)", "regret geomean", "price of invariance", "certificate: passed at emulator level",
+                 "installed:"):
+        assert fact in result.output, fact
+    folder = root / "generated" / "fake-gpu-9000"
+    assert sorted(p.name for p in folder.iterdir()) == sorted([*generate.FILES, "policy.json"])
+    loaded = install.installed_table(FAKE_GPU, root / "tables")
+    assert loaded is not None and loaded.gpu_level is False
+
+
+def test_check_passes_on_the_table_and_fails_naming_the_key(tuned, tmp_path, monkeypatch):
+    root, _ = tuned
+    monkeypatch.setattr(certify.shutil, "which", lambda name: None)
+    folder = root / "generated" / "fake-gpu-9000"
+    ok = CliRunner().invoke(main, ["check", str(folder)])
+    assert ok.exit_code == 0, ok.output
+    assert "no GPU: emulator-level check" in ok.output and "q4_0" in ok.output
+    # A module that changes the identity at M = 3, re-bound by a forged certificate: check must catch it.
+    bad = tmp_path / "fake-gpu-9000"
+    bad.mkdir()
+    for name in generate.FILES:
+        (bad / name).write_bytes((folder / name).read_bytes())
+    module = (bad / generate.MODULE).read_text() + (
+        "\n\n_select = select\n\n\ndef select(codebook, m, n, k, mode='graph'):\n"
+        "    c = _select(codebook, m, n, k, mode)\n"
+        "    if m == 3 and k == 4096:\n"
+        "        return Choice('kpar.s8.t128.c1', 8, c.source)\n"
+        "    return c\n")
+    (bad / generate.MODULE).write_text(module)
+    forge(bad, lambda c: c["digests"]["artifacts"].update({generate.MODULE: certify.sha256(module.encode())}))
+    failed = CliRunner().invoke(main, ["check", str(bad)])
+    assert failed.exit_code == 1, failed.output
+    assert "K=4096 M=3" in failed.output and "row " in failed.output
+
+
+def test_check_and_tune_refuse_bad_input(tuned, tmp_path):
+    result = CliRunner().invoke(main, ["check", str(tmp_path / "nothing")])
+    assert result.exit_code == 2 and "no such table folder" in result.output
+    result = CliRunner().invoke(main, ["tune", "--replay", str(tmp_path / "nothing")])
+    assert result.exit_code == 2, result.output
+
+
+def test_embedded_default_without_a_committed_table_says_so(monkeypatch, tmp_path):
+    """The CPU default on the committed H200 corpus (replay, train, emulator certification): with no committed
+    table to compare with (a data folder without generated/), it says so and installs nothing."""
+    from gemv_dispatch.dispatch import paths
+
+    data = tmp_path / "data"
+    (data / "corpus").mkdir(parents=True)
+    (data / "corpus" / "nvidia-h200").symlink_to(paths.data_dir() / "corpus" / "nvidia-h200")
+    (data / "corpus" / "shapes").symlink_to(paths.data_dir() / "corpus" / "shapes")
+    monkeypatch.setenv(paths.DATA_ENV, str(data))
+    monkeypatch.setattr(certify, "current_gpu", lambda: None)
+    monkeypatch.setattr(certify.shutil, "which", lambda name: None)
+    result = CliRunner().invoke(main, ["tune"])
+    assert result.exit_code == 0, result.output
+    assert "no GPU here" in result.output and "holds no table yet" in result.output
+    assert "installed: nothing" in result.output
+    assert Path(data / "generated").exists() is False
