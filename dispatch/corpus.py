@@ -234,7 +234,8 @@ class Record:
         return self.codebook, self.m, self.n, self.k, self.mode, self.candidate, self.provenance
 
     def to_json(self) -> str:
-        return _canonical(dataclasses.asdict(self))
+        # Plain field values, all JSON scalars: dataclasses.asdict's deep copy would cost more than the dump.
+        return _canonical({name: self.__dict__[name] for name in _schema(Record).names})
 
     def problem(self) -> str | None:
         """What makes this record impossible (the checks applied to user input), or None."""
