@@ -64,7 +64,9 @@ class Unwritten(EmulatorRunner):
 
 
 class Flaky(EmulatorRunner):
-    calls: dict = {}
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: dict = {}
 
     def launch(self, candidate, rows):
         out = super().launch(candidate, rows).copy()
