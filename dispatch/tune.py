@@ -102,24 +102,29 @@ def _quality(policy: Policy, corpus: Corpus) -> tuple[dict[str, Any], dict[str, 
     return summary(policy_ratios(policy, meas).values()), summary(invariant_ratios(meas, chosen).values())
 
 
+def train_policy(folder: Path, log: Callable[[str], None] = certify._log) -> Policy:
+    """The policy `train` makes of a corpus folder, with its digest (as read back from its file)."""
+    from gemv_dispatch.dispatch.train import train
+
+    policy, notes = train(load(folder))
+    for note in notes:
+        log(f"  warning: {note}")
+    return Policy.from_bytes(policy.to_bytes(), "trained policy")
+
+
 def tune(plan: SweepPlan, corpus_root: Path, timer: Timer, runner: certify.Runner, generated_root: Path,
          tables: Path | None, *, install_table: bool = True, seed: int = 0,
          gpu: Callable[[], dict[str, str] | None] = certify.current_gpu,
          log: Callable[[str], None] = certify._log) -> TuneResult:
     """Run every stage; StageFailed (nothing installed) when certification fails. `gpu` reports this machine's
     GPU to `install` (tests substitute it)."""
-    from gemv_dispatch.dispatch.train import train
-
     with _stage("sweep", log):
         swept = run_sweep(plan, corpus_root, timer)
         folder = Path(swept.folders[0])
         log(f"  {swept.cells} cells: {swept.timed} timed, {swept.skipped} already in {folder}")
     with _stage("train", log):
         corpus = load(folder)
-        policy, notes = train(corpus)
-        policy = Policy.from_bytes(policy.to_bytes(), "trained policy")  # carries its digest from here on
-        for note in notes:
-            log(f"  warning: {note}")
+        policy = train_policy(folder, log)
         regret, price = _quality(policy, corpus)
         log(f"  regret {_pct(regret)}; price of invariance {_pct(price)}")
     with _stage("certify", log), runner:

@@ -3,8 +3,6 @@ installed at emulator level; then `check` on it, including a table whose module 
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from click.testing import CliRunner
 from corpus_fixture import build_corpus
@@ -71,20 +69,38 @@ def test_check_and_tune_refuse_bad_input(tuned, tmp_path):
     assert result.exit_code == 2, result.output
 
 
-def test_embedded_default_without_a_committed_table_says_so(monkeypatch, tmp_path):
-    """The CPU default on the committed H200 corpus (replay, train, emulator certification): with no committed
-    table to compare with (a data folder without generated/), it says so and installs nothing."""
-    from gemv_dispatch.dispatch import paths
+def test_embedded_default_reproduces_the_committed_table(monkeypatch, tmp_path):
+    """The CPU default (replay, train, emulator certification, render, compare), on a data folder holding a
+    small corpus of the default GPU model: without a committed table it says so; with one (made by a first
+    run) it is byte-identical; with an edited one it says NO and exits 1. Nothing is installed."""
+    from corpus_fixture import fake_provenance
+    from gemv_dispatch.dispatch import paths, tune
 
     data = tmp_path / "data"
-    (data / "corpus").mkdir(parents=True)
-    (data / "corpus" / "nvidia-h200").symlink_to(paths.data_dir() / "corpus" / "nvidia-h200")
-    (data / "corpus" / "shapes").symlink_to(paths.data_dir() / "corpus" / "shapes")
+    build_corpus(data / "corpus", fake_provenance(gpu_name="NVIDIA H200"))
+    (data / "corpus" / "shapes").symlink_to(paths.shapes_dir())
     monkeypatch.setenv(paths.DATA_ENV, str(data))
     monkeypatch.setattr(certify, "current_gpu", lambda: None)
     monkeypatch.setattr(certify.shutil, "which", lambda name: None)
-    result = CliRunner().invoke(main, ["tune"])
-    assert result.exit_code == 0, result.output
-    assert "no GPU here" in result.output and "holds no table yet" in result.output
-    assert "installed: nothing" in result.output
-    assert Path(data / "generated").exists() is False
+    # Train once (train has tests of its own; it is deterministic): every run below gets this policy.
+    policy = tune.train_policy(data / "corpus" / tune.DEFAULT_GPU)
+    monkeypatch.setattr(tune, "train_policy", lambda folder, log=None: policy)
+
+    def run():
+        return CliRunner().invoke(main, ["tune"])
+
+    first = run()
+    assert first.exit_code == 0, first.output
+    assert "no GPU here" in first.output and "holds no table yet" in first.output
+    assert "installed: nothing" in first.output
+    committed = data / "generated" / tune.DEFAULT_GPU
+    assert not committed.exists()
+    # Commit what a GPU run would have produced from the same corpus: the same policy, rendered.
+    committed.mkdir(parents=True)
+    for name, data_bytes in generate.render(policy).items():
+        (committed / name).write_bytes(data_bytes)
+    second = run()
+    assert second.exit_code == 0 and "reproducible: yes" in second.output, second.output
+    (committed / generate.HEADER).write_bytes((committed / generate.HEADER).read_bytes() + b"\n")
+    third = run()
+    assert third.exit_code == 1 and "reproducible: NO" in third.output, third.output
