@@ -508,13 +508,13 @@ def tune_command(corpus_root: Path | None, replay: Path | None, generated_root: 
     with tempfile.TemporaryDirectory(prefix="gemv-dispatch-replay-") as tmp:
         if replay is not None:
             source = load(replay)
-            plan, timer = tune.replay_plan(source), sweep.ReplayTimer(source)
+            plans, timer = tune.replay_plans(source), sweep.ReplayTimer(source)
             root = corpus_root or Path(tmp)
         else:
-            plan = sweep.parse_plan(codebooks, ms, modes, shape_paths)
-            timer, root = sweep.GpuTimer(plan.timing), corpus_root or home_dir() / "corpus"
+            plans = [sweep.parse_plan(codebooks, ms, modes, shape_paths)]
+            timer, root = sweep.GpuTimer(plans[0].timing), corpus_root or home_dir() / "corpus"
         runner = certify.runner_for("auto", seed)
-        result = tune.tune(plan, root, timer, runner, generated_root or home_dir() / "generated", tables, seed=seed,
+        result = tune.tune(plans, root, timer, runner, generated_root or home_dir() / "generated", tables, seed=seed,
                            log=log)
         _echo_lines(result.lines())
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,17 +79,22 @@ def _stage(name: str, log: Callable[[str], None]) -> Iterator[None]:
     log(f"[{name}] done in {time.monotonic() - start:.1f} s")
 
 
-def replay_plan(source: Corpus) -> SweepPlan:
-    """The sweep plan whose cells are exactly a corpus's cells (InputError if they are not a full grid)."""
-    cells = source.cells()
-    if not cells:
+def replay_plans(source: Corpus) -> list[SweepPlan]:
+    """Sweep plans whose cells together are exactly a corpus's cells. A plan is a full codebook x M x mode x
+    shape grid, a corpus need not be (a sweep cut short, M values added for some shapes): per codebook and mode,
+    the M values measured on the same shapes share one plan."""
+    groups: dict[tuple[str, str], dict[int, set[tuple[int, int]]]] = {}
+    for c in source.cells():
+        groups.setdefault((c.codebook, c.mode), {}).setdefault(c.m, set()).add((c.n, c.k))
+    if not groups:
         raise InputError(f"{source.folder}: the corpus holds no cells to replay")
-    plan = SweepPlan(tuple(sorted({c.codebook for c in cells})), tuple(sorted({c.m for c in cells})),
-                     tuple(sorted({c.mode for c in cells})), tuple(sorted({(c.n, c.k) for c in cells})))
-    if sorted(plan.cells()) != sorted(cells):
-        raise InputError(f"{source.folder}: its cells are not a full codebook x M x mode x shape grid; replay it "
-                         "with `gemv-dispatch sweep --replay` and the matching options")
-    return plan
+    plans = []
+    for (codebook, mode), by_m in sorted(groups.items()):
+        shared: dict[tuple[tuple[int, int], ...], list[int]] = {}
+        for m, shapes in sorted(by_m.items()):
+            shared.setdefault(tuple(sorted(shapes)), []).append(m)
+        plans += [SweepPlan((codebook,), tuple(ms), (mode,), shapes) for shapes, ms in sorted(shared.items())]
+    return plans
 
 
 def _quality(policy: Policy, corpus: Corpus) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -112,16 +117,18 @@ def train_policy(folder: Path, log: Callable[[str], None] = certify._log) -> Pol
     return Policy.from_bytes(policy.to_bytes(), "trained policy")
 
 
-def tune(plan: SweepPlan, corpus_root: Path, timer: Timer, runner: certify.Runner, generated_root: Path,
+def tune(plans: Sequence[SweepPlan], corpus_root: Path, timer: Timer, runner: certify.Runner, generated_root: Path,
          tables: Path | None, *, install_table: bool = True, seed: int = 0,
          gpu: Callable[[], dict[str, str] | None] = certify.current_gpu,
          log: Callable[[str], None] = certify._log) -> TuneResult:
     """Run every stage; StageFailed (nothing installed) when certification fails. `gpu` reports this machine's
     GPU to `install` (tests substitute it)."""
     with _stage("sweep", log):
-        swept = run_sweep(plan, corpus_root, timer)
-        folder = Path(swept.folders[0])
-        log(f"  {swept.cells} cells: {swept.timed} timed, {swept.skipped} already in {folder}")
+        swept = [run_sweep(plan, corpus_root, timer, compact_at_end=i == len(plans) - 1)
+                 for i, plan in enumerate(plans)]
+        folder = Path(swept[0].folders[0])
+        log(f"  {sum(s.cells for s in swept)} cells: {sum(s.timed for s in swept)} timed, "
+            f"{sum(s.skipped for s in swept)} already in {folder}")
     with _stage("train", log):
         corpus = load(folder)
         policy = train_policy(folder, log)
@@ -154,7 +161,7 @@ def embedded_default(log: Callable[[str], None] = certify._log, seed: int = 0) -
     source = load(data_dir() / "corpus" / DEFAULT_GPU)
     committed = data_dir() / "generated" / DEFAULT_GPU
     with tempfile.TemporaryDirectory(prefix="gemv-dispatch-tune-") as tmp:
-        result = tune(replay_plan(source), Path(tmp) / "corpus", ReplayTimer(source),
+        result = tune(replay_plans(source), Path(tmp) / "corpus", ReplayTimer(source),
                       certify.EmulatorRunner(seed), Path(tmp) / "generated", None, install_table=False, seed=seed,
                       log=log)
         if not (committed / generate.MODULE).is_file():
