@@ -124,8 +124,8 @@ def tune(plans: Sequence[SweepPlan], corpus_root: Path, timer: Timer, runner: ce
     """Run every stage; StageFailed (nothing installed) when certification fails. `gpu` reports this machine's
     GPU to `install` (tests substitute it)."""
     with _stage("sweep", log):
-        swept = [run_sweep(plan, corpus_root, timer, compact_at_end=i == len(plans) - 1)
-                 for i, plan in enumerate(plans)]
+        # Each plan compacts what it staged, so the next one starts from a clean, listed corpus.
+        swept = [run_sweep(plan, corpus_root, timer) for plan in plans]
         folder = Path(swept[0].folders[0])
         log(f"  {sum(s.cells for s in swept)} cells: {sum(s.timed for s in swept)} timed, "
             f"{sum(s.skipped for s in swept)} already in {folder}")
