@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# One device call: GPU certification of a policy trained on the CPU (so the CPU `tune` can reproduce its
+# module byte for byte), the generated table, install + check, the GPU tests, the runtime benchmark.
+#   bash bench/certify_on_device.sh generated/nvidia-h200/policy.json
+# Everything under $OUT: cert.json, generated.tgz (the table folder), logs, runtime.json. Each step has its
+# own time limit, so a slow one cannot take the results of the earlier ones with it.
+set -uo pipefail
+source bench/device_env.sh
+policy=${1:?policy.json trained on the committed corpus}
+out_dir=$(dirname "$policy")
+nvidia-smi --query-gpu=name,uuid,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.txt"
+step() { local limit=$1; shift; local start=$(date +%s); timeout -s KILL "$limit" "$@"; local rc=$?
+         echo "== $* -> rc=$rc in $(( $(date +%s) - start )) s"; return $rc; }
+step 170 gemv-dispatch certify "$policy" -o "$OUT/cert.json" --corpus corpus/nvidia-h200 --device gpu \
+    > "$OUT/certify.log" 2>&1; tail -14 "$OUT/certify.log"
+step 30 gemv-dispatch generate "$policy" --cert "$OUT/cert.json" -o "$out_dir" && tar czf "$OUT/generated.tgz" "$out_dir"
+export GEMV_DISPATCH_TABLES=/tmp/tables
+step 15 gemv-dispatch install "$out_dir"
+step 170 python3 -m pytest -m gpu -q -p no:cacheprovider --tb=short -W ignore tests > "$OUT/gpu-tests.log" 2>&1
+grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu-tests.log" | cut -c1-300 | tail -25
+step 45 python3 bench/runtime_overhead.py --quick --out "$OUT/runtime.json" > "$OUT/runtime.log" 2>&1; tail -25 "$OUT/runtime.log"
+step 170 gemv-dispatch check --installed > "$OUT/check.log" 2>&1; tail -12 "$OUT/check.log"  # last: as long as time is left
