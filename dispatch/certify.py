@@ -468,7 +468,7 @@ def differs(xp: Any, got: Any, want: Any) -> Any:
     """Whether two float32 arrays differ in any bit (+0/−0 distinct): a 0-d bool in `xp`, not synced."""
     if got.shape != want.shape:
         return xp.asarray(True)
-    return (got.view(xp.uint32) != want.view(xp.uint32)).any()
+    return (got.view(xp.uint32) != xp.asarray(want).view(xp.uint32)).any()  # the emulator's `want` is numpy
 
 
 def first_difference(got: np.ndarray, want: np.ndarray, columns: np.ndarray | None) -> str:
