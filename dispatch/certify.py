@@ -41,7 +41,7 @@ from typing import Any, Literal, Protocol
 import numpy as np
 from gemv_dispatch.dispatch import __version__
 from gemv_dispatch.dispatch.corpus import gpu_slug
-from gemv_dispatch.dispatch.policy import Policy, canonical_bytes
+from gemv_dispatch.dispatch.policy import Policy, canonical_bytes, content_digest
 from gemv_dispatch.dispatch.timing import cell_seed
 from gemv_dispatch.kernels import emulate, program
 from gemv_dispatch.kernels.codebooks import CODEBOOKS, EXECUTION, get
@@ -77,8 +77,7 @@ def sha256(data: bytes) -> str:
 
 def with_digest(obj: Mapping[str, Any]) -> dict[str, Any]:
     """`obj` plus "digest": the SHA-256 of its canonical JSON without that key (detects hand edits)."""
-    body = {k: v for k, v in obj.items() if k != "digest"}
-    return {**body, "digest": sha256(canonical_bytes(body))}
+    return {**{k: v for k, v in obj.items() if k != "digest"}, "digest": content_digest(obj)}
 
 
 def inventories_digest(folder: Any = None) -> str:
@@ -714,15 +713,8 @@ def emulator_sample(select: Select, shapes: Sequence[Shape], seed: int) -> froze
     """One seeded key per (codebook, identity, engine) the table chooses among the keys: the emulator check's
     coverage. Keys whose selection fails are left to the selection check."""
     groups: dict[tuple[str, int, str], list[Key]] = {}
-    for shape in shapes:
-        for m in M_SET:
-            for mode in MODES:
-                try:
-                    cand = by_id(select(shape.codebook, m, shape.n, shape.k, mode).candidate)
-                except (InputError, ValueError, KeyError, AttributeError):
-                    continue
-                groups.setdefault((shape.codebook, cand.identity(shape.k), cand.engine), []).append(
-                    Key(shape, m, mode))
+    for key, cand in _chosen(select, shapes):
+        groups.setdefault((key.shape.codebook, cand.identity(key.shape.k), cand.engine), []).append(key)
     rng = np.random.default_rng(cell_seed("emulator-sample", seed))
     # Prefer the smaller shapes of a group: the emulator runs on the CPU.
     picked = set()
@@ -734,17 +726,21 @@ def emulator_sample(select: Select, shapes: Sequence[Shape], seed: int) -> froze
 
 def kernel_instantiations(select: Select, shapes: Sequence[Shape]) -> list[str]:
     """The template instantiations the table launches over the keys (for the spill check)."""
-    names = set()
+    return sorted({cand.kernel_name(fmt, key.m) for key, cand in _chosen(select, shapes)
+                   for fmt in formats_of(key.shape.codebook)})
+
+
+def _chosen(select: Select, shapes: Sequence[Shape]) -> Iterator[tuple[Key, Candidate]]:
+    """Every key of the shapes with the candidate the table selects; keys whose selection fails are left to
+    the selection check."""
     for shape in shapes:
-        for fmt in formats_of(shape.codebook):
-            for m in M_SET:
-                for mode in MODES:
-                    try:
-                        cand = by_id(select(shape.codebook, m, shape.n, shape.k, mode).candidate)
-                    except (InputError, ValueError, KeyError, AttributeError):
-                        continue
-                    names.add(cand.kernel_name(fmt, m))
-    return sorted(names)
+        for m in M_SET:
+            for mode in MODES:
+                try:
+                    cand = by_id(select(shape.codebook, m, shape.n, shape.k, mode).candidate)
+                except (InputError, ValueError, KeyError, AttributeError):
+                    continue
+                yield Key(shape, m, mode), cand
 
 
 def check_spill_free(names: Sequence[str], arch: str, tally: Tally) -> str | None:

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
+from gemv_dispatch.dispatch.shapes import open_gguf
 from gemv_dispatch.kernels import launch
 from gemv_dispatch.kernels.codebooks import CODEBOOKS, get
 from gemv_dispatch.kernels.emulate import QuantizedActivations
@@ -180,15 +181,8 @@ def prepare(weights: PackedWeights | np.ndarray, codebook: str | None = None, k:
 def read_gguf_tensor(path: str | Path, name: str) -> PackedWeights:
     """The block bytes of one 2-D tensor of a GGUF file, packed: the codebook from its GGML type, N and K from
     its dims (ne = [K, N]). InputError for a missing file or tensor or an unsupported type."""
-    import gguf  # heavy import, only needed here
-
     path = Path(path)
-    if not path.is_file():
-        raise InputError(f"{path}: no such GGUF file")
-    try:
-        reader = gguf.GGUFReader(path)
-    except (ValueError, OSError, IndexError, KeyError) as err:
-        raise InputError(f"{path}: not a readable GGUF file ({err})") from None
+    reader = open_gguf(path)
     tensor = next((t for t in reader.tensors if t.name == name), None)
     if tensor is None:
         raise InputError(f"{path}: no tensor named {name!r}")

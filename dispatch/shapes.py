@@ -278,6 +278,18 @@ def _slug(text: str) -> str:
     return re.sub(r"[^a-z0-9.]+", "-", text.lower()).strip("-")
 
 
+def open_gguf(path: Path) -> Any:
+    """A gguf.GGUFReader over `path` (tensor infos; data memory-mapped), or InputError naming the file."""
+    import gguf  # heavy import, only needed here
+
+    if not path.is_file():
+        raise InputError(f"{path}: no such GGUF file")
+    try:
+        return gguf.GGUFReader(path)
+    except (ValueError, OSError, IndexError, KeyError) as err:
+        raise InputError(f"{path}: not a readable GGUF file ({err})") from None
+
+
 def from_gguf(path: StrPath) -> Inventory:
     """The GEMV shapes of a GGUF model, read from its tensor infos only (no weight is loaded).
 
@@ -287,15 +299,8 @@ def from_gguf(path: StrPath) -> Inventory:
     geometries (models with per-layer widths) gets one entry per geometry, named `role:NxK`.
     token_embd is not a GEMV, except as the lm_head of a tied model without output.weight.
     Matrices whose K is not a multiple of 32 cannot be block-quantized and are skipped with a warning."""
-    import gguf  # heavy import, only needed here
-
     path = Path(path)
-    if not path.is_file():
-        raise InputError(f"{path}: no such GGUF file")
-    try:
-        reader = gguf.GGUFReader(path)
-    except (ValueError, OSError, IndexError, KeyError) as err:
-        raise InputError(f"{path}: not a readable GGUF file ({err})") from None
+    reader = open_gguf(path)
 
     found: dict[str, list[tuple[int, int]]] = {}
     unknown: set[str] = set()
