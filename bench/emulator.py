@@ -1,4 +1,4 @@
-"""CPU emulator benchmark: wall time of kernels.emulate.gemv (the bit-exact oracle of DESIGN §1) at a
+"""CPU emulator benchmark: wall time of kernels.emulate.gemv (the bit-exact oracle of docs/contract.md §1) at a
 typical certification shape, against the goal of at most 2 s per call.
 
 Weights are codebooks.quantize of Gaussian data, packed with layout.pack, and activations are Gaussian;

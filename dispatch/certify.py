@@ -1,4 +1,4 @@
-"""Certification (DESIGN §7): prove a dispatch table keeps every result byte-identical to serial M=1 decode.
+"""Certification (docs/policy.md §7): prove a dispatch table keeps every result byte-identical to serial M=1 decode.
 
 One named, seeded check per property, shared by `certify`, `check` and the tests (the scikit-learn
 `estimator_checks` pattern: each check is a plain function a test can run alone against a broken table or a
@@ -912,8 +912,9 @@ def certify(policy: Policy, artifacts: Mapping[str, bytes], runner: Runner, *, s
         "keys": keys,
         "emulator": None if runner.level == "gpu" else {
             "columns_per_shape": EMULATED_COLUMNS,
-            "note": "an output element depends only on its x row, its W row and the identity (DESIGN §1): the "
-                    "emulator computes sampled columns, each identity once per shape over all rows"},
+            "note": "an output element depends only on its x row, its W row and the identity "
+                    "(docs/contract.md §1): the emulator computes sampled columns, each identity once per shape "
+                    "over all rows"},
         "checks": {name: o.to_dict() for name, o in outcomes.items()},
         "seconds": round(seconds, 1),
     }

@@ -363,7 +363,7 @@ def _echo_lines(lines: list[str]) -> None:
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of weights, activations and samples.")
 @user_errors
 def certify_command(policy_path: Path, output: Path, corpus_folder: Path | None, device: str, seed: int) -> None:
-    """Certify POLICY (DESIGN §7): every table shape and a seeded sample of unmeasured ones, every M in
+    """Certify POLICY (docs/policy.md §7): every table shape and a seeded sample of unmeasured ones, every M in
     {1..16, 31}, both modes: grouped == serial M=1 bytes, repeat, permutation, poison, emulator equality,
     negative control, spill-free kernels. Exit 1 when a check fails (the certificate records it)."""
     from gemv_dispatch.dispatch import certify, generate, policy

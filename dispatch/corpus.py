@@ -1,4 +1,4 @@
-"""The measured corpus on disk (DESIGN §5): one folder per GPU model, append-only shards, a manifest.
+"""The measured corpus on disk (docs/architecture.md §5): one folder per GPU model, append-only shards, a manifest.
 
     corpus/<gpu-slug>/manifest.json     {"format", "shards": {name: {"sha256", "records"}}, "retired": [...]}
     corpus/<gpu-slug>/shards/<key>-<sha>.jsonl

@@ -1,4 +1,4 @@
-"""How good is a policy (DESIGN §6): regret against the per-cell oracle on measured cells.
+"""How good is a policy (docs/policy.md §6): regret against the per-cell oracle on measured cells.
 
 Regret of a pick in a cell = its median time / the fastest median of the cell - 1 (0 = the oracle's pick).
 Aggregates: geometric mean of the time ratios (minus 1), p95 and max, overall and per codebook, M and mode.

@@ -1,7 +1,7 @@
-"""Shape features of the dispatch policy (DESIGN §6): integer arithmetic only.
+"""Shape features of the dispatch policy (docs/policy.md §6): integer arithmetic only.
 
 Every feature is built from + - * // min max and int.bit_length on Python ints, so the generated Python
-module and the C header (DESIGN §8) can re-implement them exactly (C: int64, N·K and byte counts stay far
+module and the C header (docs/policy.md §8) can re-implement them exactly (C: int64, N·K and byte counts stay far
 below 2^63 for any real matrix). Ratios are scaled integers (x64) instead of floats; a tree threshold over
 an integer feature is an integer, so "value <= threshold" needs no float anywhere.
 

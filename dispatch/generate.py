@@ -1,4 +1,4 @@
-"""Code generation (DESIGN §8): a policy rendered as a standard-library Python module and a C99 header.
+"""Code generation (docs/policy.md §8): a policy rendered as a standard-library Python module and a C99 header.
 
 `render(policy, ...)` returns {file name: bytes} for dispatch_table.py and dispatch_table.h, byte-for-byte
 deterministic for the same policy, tool version and inventory digest. What is rendered is the policy itself,

@@ -1,4 +1,4 @@
-"""Install certified tables (DESIGN §9) and load them for the runtime.
+"""Install certified tables (docs/policy.md §9) and load them for the runtime.
 
 Layout of the install location (`paths.tables_dir()`, env GEMV_DISPATCH_TABLES, or --tables):
 
@@ -111,10 +111,10 @@ def verify(folder: Path) -> Table:
 
 @dataclass(frozen=True)
 class LoadedTable:
-    """The installed table of one GPU model, as the runtime uses it (SPEC.md)."""
+    """The installed table of one GPU model, as the runtime uses it (docs/policy.md)."""
 
     table: Table
-    gpu_level: bool  # certified on a GPU of this model (DESIGN §9: only then may it serve that GPU)
+    gpu_level: bool  # certified on a GPU of this model (docs/policy.md §9: only then may it serve that GPU)
 
     @property
     def certificate(self) -> dict[str, Any]:

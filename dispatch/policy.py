@@ -1,4 +1,4 @@
-"""The dispatch policy (DESIGN §6, .plan/SPEC.md): a file, and the normative `select` over it.
+"""The dispatch policy (docs/policy.md §6, docs/policy.md): a file, and the normative `select` over it.
 
 A policy is two integer decision trees (the total fallback) plus exact overlays for measured keys. It is
 stored as canonical JSON (sorted keys, indent 1, trailing newline) carrying the SHA-256 of its own content
@@ -30,8 +30,8 @@ from gemv_dispatch.kernels.registry import BY_ID, CANDIDATES, Candidate
 FORMAT = "gemv-dispatch-policy/1"
 CANONICAL_WIDE = "wide.s1.t128.c1"  # canonical(1, k): valid for every shape and M
 IDENTITIES: tuple[int, ...] = tuple(sorted({c.ksplit for c in CANDIDATES}))  # every identity a shape can get
-SERVED_MS: tuple[int, ...] = (*range(1, 17), 31)  # the M set a table serves (DESIGN §7)
-# DESIGN §6 default: weight 0.5 on M = 1, the other 0.5 spread evenly over {2..16, 31}: 16 : 1 x 16.
+SERVED_MS: tuple[int, ...] = (*range(1, 17), 31)  # the M set a table serves (docs/policy.md §7)
+# docs/policy.md §6 default: weight 0.5 on M = 1, the other 0.5 spread evenly over {2..16, 31}: 16 : 1 x 16.
 DEFAULT_PROFILE: Mapping[int, int] = {1: len(SERVED_MS) - 1, **dict.fromkeys(SERVED_MS[1:], 1)}
 
 IdentityKey = tuple[str, int, int]  # (codebook, n, k)
@@ -78,7 +78,7 @@ def fits(candidate: Candidate, identity: int, m: int, n: int, k: int) -> bool:
 
 
 def tie_key(candidate: Candidate, m: int, n: int, k: int) -> tuple[int, int, str]:
-    """DESIGN §6 tie order inside the noise band: fewer launches, then no workspace, then smaller id."""
+    """docs/policy.md §6 tie order inside the noise band: fewer launches, then no workspace, then smaller id."""
     return candidate.launches, int(candidate.workspace_bytes(m, n, k) > 0), candidate.id
 
 
@@ -194,7 +194,7 @@ class Choice(NamedTuple):
 
 @dataclass(frozen=True)
 class Policy:
-    """A dispatch policy. `source` and `options` are free-form provenance (see SPEC.md); `shapes` lists the
+    """A dispatch policy. `source` and `options` are free-form provenance (see docs/policy.md); `shapes` lists the
     measured (codebook, n, k) it was trained on (what certification covers at least)."""
 
     source: Mapping[str, Any]
@@ -215,7 +215,7 @@ class Policy:
     def profile(self) -> dict[int, int]:
         return validate_profile(self.options["profile"])
 
-    # -- select (normative, SPEC.md) ------------------------------------------------------------------------
+    # -- select (normative, docs/policy.md) ------------------------------------------------------------------------
 
     def check(self, codebook: str, m: int, n: int, k: int, mode: str) -> None:
         """InputError unless (codebook, M, N, K, mode) is something select answers."""

@@ -1,4 +1,4 @@
-"""Runtime (DESIGN §9): prepare weights once, quantize activations once per x, and launch the GEMV the installed
+"""Runtime (docs/policy.md §9): prepare weights once, quantize activations once per x, and launch the GEMV the installed
 dispatch table chooses for the current GPU, on the caller's stream, with no host synchronization.
 
     w = runtime.prepare(blocks, "Q4_0", k)         # GGUF block bytes (or a PackedWeights): uploaded once
@@ -78,7 +78,7 @@ def installed_table(gpu_name: str) -> tuple[Any, str | None]:
     table = install.installed_table(gpu_name)
     if table is None:
         return None, f"no dispatch table is installed for {gpu_name}"
-    if not table.gpu_level:  # DESIGN §9: a table serves a GPU only with GPU-level certification
+    if not table.gpu_level:  # docs/policy.md §9: a table serves a GPU only with GPU-level certification
         return None, f"the table installed for {gpu_name} is certified on the emulator only, not on this GPU model"
     return table, None
 
@@ -372,7 +372,7 @@ def _device_guard(device_id: int) -> Any:
 
 
 def quantize(x: Any, *, strict: bool = False) -> Activations:
-    """Quantize float32 activations x [M, K] (DESIGN §1) once, for every GEMV that reads them.
+    """Quantize float32 activations x [M, K] (docs/contract.md §1) once, for every GEMV that reads them.
 
     On the caller's current stream (CuPy's, or torch's for a torch tensor), no host synchronization unless
     `strict` (then non-finite values raise InputError). The buffers come from CuPy's pool on that stream."""

@@ -4,7 +4,7 @@ W is an N×K matrix (N = output features, K = input features), y = W·x. One inv
 under corpus/shapes/, in this format (keys sorted, indent 1, trailing newline):
 
     {"name": "llama-3.1-8b",                       # unique across all inventory files
-     "family": "llama-3.1",                        # hold-out group for evaluation (DESIGN §6)
+     "family": "llama-3.1",                        # hold-out group for evaluation (docs/policy.md §6)
      "source": "meta-llama/Llama-3.1-8B/config.json",
      "config": {"hidden_size": 4096, ...},         # the integer dims the shapes came from (optional)
      "shapes": [{"role": "q", "n": 4096, "k": 4096}, ...]}

@@ -1,4 +1,4 @@
-"""Sweep (DESIGN §4, §5): time every candidate over (codebook, M, N, K, mode) cells into the corpus.
+"""Sweep (docs/architecture.md §4, §5): time every candidate over (codebook, M, N, K, mode) cells into the corpus.
 
 Default plan (`parse_plan()` with no arguments): the union of the (N, K) geometries of every model inventory
 in corpus/shapes/ (the synthetic grid is left out; pass it with --shapes), all six codebooks, M in {1, 4, 16},

@@ -1,4 +1,4 @@
-"""Timing harness: interleaved, raced, cold-L2 timing of launch callables (DESIGN.md §4).
+"""Timing harness: interleaved, raced, cold-L2 timing of launch callables (docs/architecture.md §4).
 
 Generic over what is timed: a candidate is a `Launch` that enqueues one launch reading weight copy #i.
 Everything above the `Backend` boundary is pure Python/numpy and is tested on a CPU with a fake
@@ -265,7 +265,7 @@ class CupyBackend:
         self._cupy = cupy
         self.stream = stream if stream is not None else cupy.cuda.Stream(non_blocking=True)
         # ptr 0/1/2 are the null, legacy and per-thread default streams; a blocking stream would
-        # serialize with stream 0. DESIGN §4: nothing is timed on stream 0.
+        # serialize with stream 0. docs/architecture.md §4: nothing is timed on stream 0.
         if self.stream.ptr in (0, 1, 2) or not self.stream.is_non_blocking:
             raise ValueError("CupyBackend needs an explicit non-blocking stream, not the default stream")
 

@@ -1,4 +1,4 @@
-"""Learn a dispatch policy from a corpus (DESIGN §6): identities over the M profile, launches within them,
+"""Learn a dispatch policy from a corpus (docs/policy.md §6): identities over the M profile, launches within them,
 an integer decision-tree fallback that is total, exact overlays where the fallback is measurably wrong.
 
 Pipeline (every step deterministic; sklearn estimators seeded):

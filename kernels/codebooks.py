@@ -1,4 +1,4 @@
-"""GGUF block codebooks (DESIGN §2): block geometry, quantize / dequantize, and the integer codes the
+"""GGUF block codebooks (docs/contract.md §2): block geometry, quantize / dequantize, and the integer codes the
 kernels consume.
 
 Every source format here stores 32 weights per block with an fp16 scale d at byte 0. `quantize` and
@@ -98,7 +98,7 @@ class BlockFields:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Validation: one clear InputError per problem (DESIGN §10).
+# Validation: one clear InputError per problem (docs/architecture.md §10).
 
 
 def _check_weights(book: Codebook, w: object) -> np.ndarray:

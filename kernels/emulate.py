@@ -1,4 +1,4 @@
-"""The arithmetic contract (DESIGN §1) on the CPU, bit for bit: the oracle every GPU candidate must equal.
+"""The arithmetic contract (docs/contract.md §1) on the CPU, bit for bit: the oracle every GPU candidate must equal.
 
 numpy float32 elementwise operations are single IEEE operations with round-to-nearest-even and no
 contraction, so each ⊗/⊕ of the contract is one numpy operation here, applied in the same order.
@@ -26,7 +26,7 @@ BLOCKS_PER_STEP = 16
 
 @dataclass(frozen=True)
 class QuantizedActivations:
-    """Quantized activations (DESIGN §1): numpy arrays here, CuPy arrays when kernels.launch makes them
+    """Quantized activations (docs/contract.md §1): numpy arrays here, CuPy arrays when kernels.launch makes them
     (indexed the same, stored block-major there)."""
 
     q: Any  # int8 [M, KB, 32]
@@ -105,7 +105,7 @@ def _fields(packed: PackedWeights) -> BlockFields:
 
 
 def gemv_quantized(packed: PackedWeights, qa: QuantizedActivations, ksplit: int) -> np.ndarray:
-    """y float32 [M, N] from already-quantized activations, per DESIGN §1 with K split `ksplit`."""
+    """y float32 [M, N] from already-quantized activations, per docs/contract.md §1 with K split `ksplit`."""
     if qa.kb != packed.kb:
         raise InputError(f"activations have {qa.kb} blocks, weights have {packed.kb}")
     return _gemv(_fields(packed), qa, ksplit)

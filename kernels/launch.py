@@ -1,12 +1,12 @@
 """Launchers (CuPy): move weights to the device, quantize activations, launch a candidate on a stream.
 
-No launch goes to a default stream (DESIGN §3). Stream contract of `quantize_activations` and `gemv`:
+No launch goes to a default stream (docs/contract.md §3). Stream contract of `quantize_activations` and `gemv`:
 - an explicit `stream` argument (never a default stream) receives the launches;
 - without one, the launches go to the caller's current CuPy stream when that is an explicit stream, and,
   when it is a default stream (null, legacy or per-thread), to an internal non-blocking stream of this
   thread and device that first waits on an event recorded on the caller's stream and afterwards makes the
   caller's stream wait on an event recorded after the launches (`launch_stream`, `rejoin`): ordered both
-  ways with the caller's work (DESIGN §9), with no host synchronization.
+  ways with the caller's work (docs/policy.md §9), with no host synchronization.
 Nothing here synchronizes the host except the opt-in `strict` finiteness check. `bind` resolves a launch
 once for timing loops: zero host work per launch beyond the launch itself.
 The module for a codebook is compiled once per process by NVRTC with the contract's options, for the
@@ -239,7 +239,7 @@ def _helper(name: str) -> Any:
 
 def quantize_activations(x: Any, stream: Any = None, out: QuantizedActivations | None = None, *,
                          strict: bool = False) -> QuantizedActivations:
-    """Device activation quantization (DESIGN §1) of float32 x [M, K], a C-contiguous CuPy array.
+    """Device activation quantization (docs/contract.md §1) of float32 x [M, K], a C-contiguous CuPy array.
 
     Runs after the work already enqueued on the caller's stream (the module's stream contract: `stream`, or
     the current stream) and never synchronizes the host, so it can be captured in a CUDA graph. Non-finite

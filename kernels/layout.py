@@ -1,4 +1,4 @@
-"""Execution layout (DESIGN §2): GGUF block bytes <-> block-major planes the kernels read.
+"""Execution layout (docs/contract.md §2): GGUF block bytes <-> block-major planes the kernels read.
 
 Planes are [KB][N][...] so the threads of a warp that own consecutive outputs read consecutive 16-byte
 payloads. Packing is a lossless byte shuffle: unpack(pack(blocks)) == blocks, byte for byte.

@@ -1,4 +1,4 @@
-"""Candidate registry (DESIGN §3): every (family, identity S, launch parameters) a shape may use.
+"""Candidate registry (docs/contract.md §3): every (family, identity S, launch parameters) a shape may use.
 
 A candidate's `ksplit` is a requested split; for a shape it acts as the effective split
 S = ceil(KB / ceil(KB / ksplit)), and its identity is S (or 1 where each partition is one block, which gives

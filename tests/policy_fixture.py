@@ -1,7 +1,7 @@
 """Seeded random policies for the generate / certify / install tests: the dispatch stages must work for any
 valid policy, not only for what `train` happens to produce, so the trees, leaves and overlays here are random
 (deep trees over shuffled feature lists, leaves naming unavailable identities and unfit candidates, overlays
-that do not fit some M) while staying valid per SPEC.md."""
+that do not fit some M) while staying valid per docs/policy.md."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Certification checks (DESIGN §7) on the emulator: each named check passes on a sound table and fails, naming
+"""Certification checks (docs/policy.md §7) on the emulator: each named check passes on a sound table and fails, naming
 the key, on a table or device broken in exactly the way it guards against (the estimator_checks pattern)."""
 
 from __future__ import annotations

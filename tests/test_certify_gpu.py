@@ -1,4 +1,4 @@
-"""Certification on the GPU (DESIGN §7), marker `gpu`: a table certifies at GPU level with every check run,
+"""Certification on the GPU (docs/policy.md §7), marker `gpu`: a table certifies at GPU level with every check run,
 device bytes equal the emulator's, and a table whose identity changes with M is caught on the device."""
 
 from __future__ import annotations

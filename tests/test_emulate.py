@@ -1,4 +1,4 @@
-"""The arithmetic contract (DESIGN §1): kernels.emulate against an independent scalar reference.
+"""The arithmetic contract (docs/contract.md §1): kernels.emulate against an independent scalar reference.
 
 `scalar_gemv` below is deliberately slow and literal: GGUF bytes are decoded with `struct`, every float
 operation is one np.float32 scalar operation (one IEEE fp32 rounding, round-to-nearest-even, no FMA), the

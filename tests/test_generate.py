@@ -1,4 +1,4 @@
-"""Generated dispatch (DESIGN §8): the Python module, the policy's select and the C header agree on every key;
+"""Generated dispatch (docs/policy.md §8): the Python module, the policy's select and the C header agree on every key;
 the bytes are deterministic and match the golden files. Seeds are printed; a failure names the key."""
 
 from __future__ import annotations

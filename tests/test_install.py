@@ -1,4 +1,4 @@
-"""Install (DESIGN §9, §10): only certified, unedited tables for these kernels and this GPU model; atomic
+"""Install (docs/policy.md §9, §10): only certified, unedited tables for these kernels and this GPU model; atomic
 replacement with the previous table kept; a kill at any instant leaves a working table; bad input is one line,
 exit 2 (exit 3 for a full or read-only disk), and the installed table unchanged."""
 

@@ -1,4 +1,4 @@
-"""GPU kernels against the CPU emulator, byte for byte (DESIGN §1, §3, §7). Marker `gpu`."""
+"""GPU kernels against the CPU emulator, byte for byte (docs/contract.md §1, §3, §7). Marker `gpu`."""
 
 from __future__ import annotations
 

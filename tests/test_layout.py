@@ -1,4 +1,4 @@
-"""Execution layout (DESIGN §2): packing GGUF block bytes into block-major planes is a lossless byte shuffle.
+"""Execution layout (docs/contract.md §2): packing GGUF block bytes into block-major planes is a lossless byte shuffle.
 
 The GGUF block layouts are written out here by hand (not read from kernels.codebooks), so the tests check
 the planes against the file format itself.

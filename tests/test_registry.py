@@ -1,4 +1,4 @@
-"""Candidate registry (DESIGN §3): ids, normalization, validity, launch geometry, compiled instantiations."""
+"""Candidate registry (docs/contract.md §3): ids, normalization, validity, launch geometry, compiled instantiations."""
 
 import pytest
 from gemv_dispatch.kernels.codebooks import CODEBOOKS

@@ -1,4 +1,4 @@
-"""Runtime checks that need no GPU (DESIGN §9, §10): dispatch through a table or the safe default with one
+"""Runtime checks that need no GPU (docs/policy.md §9, §10): dispatch through a table or the safe default with one
 warning, and every input mistake refused from host metadata alone, before anything reaches a device."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The runtime on a GPU (DESIGN §9), byte for byte against the emulator. Marker `gpu`.
+"""The runtime on a GPU (docs/policy.md §9), byte for byte against the emulator. Marker `gpu`.
 
 Ordering tests delay the stream that writes x with a spinning kernel (~0.1 s), so a GEMV that does not wait
 for it reads the poisoned x deterministically; each has a negative control that skips the ordering and must
