@@ -32,6 +32,7 @@ from typing import Any
 
 from gemv_dispatch.dispatch.certify import current_gpu, read_certificate, sha256
 from gemv_dispatch.dispatch.corpus import gpu_slug
+from gemv_dispatch.dispatch.files import fsync_dir
 from gemv_dispatch.dispatch.generate import CERTIFICATE, FILES, HEADER, MODULE
 from gemv_dispatch.dispatch.paths import tables_dir
 from gemv_dispatch.kernels import program
@@ -169,14 +170,6 @@ def _locked(slot: Path) -> Iterator[None]:
         os.close(fd)
 
 
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _target(slot: Path, name: str) -> str | None:
     """Where a symlink of the slot points (relative, versions/<version>), or None."""
     link = slot / name
@@ -189,7 +182,7 @@ def _point(slot: Path, name: str, target: str) -> None:
     tmp.unlink(missing_ok=True)
     os.symlink(target, tmp)
     os.replace(tmp, slot / name)
-    _fsync_dir(slot)
+    fsync_dir(slot)
 
 
 def _tidy(slot: Path) -> None:
@@ -219,12 +212,12 @@ def _write_version(slot: Path, table: Table) -> str:
                     out.write(table.files[name])
                     out.flush()
                     os.fsync(out.fileno())
-            _fsync_dir(tmp)
+            fsync_dir(tmp)
             os.rename(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        _fsync_dir(versions)
+        fsync_dir(versions)
     return f"{VERSIONS}/{table.version}"
 
 
