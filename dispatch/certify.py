@@ -269,16 +269,6 @@ def _random_planes(fmt: str, n: int, k: int, rng: np.random.Generator) -> Packed
                          halfs() if book.asymmetric else None, words(kb, n) if book.high_bits else None)
 
 
-def _columns_of(packed: PackedWeights, cols: np.ndarray) -> PackedWeights:
-    """The weights of output columns `cols` only (each output depends on its own W row alone)."""
-
-    def take(plane: np.ndarray | None) -> np.ndarray | None:
-        return None if plane is None else np.ascontiguousarray(plane[:, cols])
-
-    return PackedWeights(packed.codebook, packed.execution, len(cols), packed.k, take(packed.payload),
-                         take(packed.scale), take(packed.min), take(packed.high))
-
-
 class EmulatorRunner:
     """kernels.emulate standing in for a GPU (CI, replay): emulator-level certification.
 
