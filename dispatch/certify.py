@@ -27,7 +27,6 @@ policy, the device, the M set, the modes, the tool version, and each check's res
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 import sys
@@ -41,7 +40,7 @@ from typing import Any, Literal, Protocol
 import numpy as np
 from gemv_dispatch.dispatch import __version__
 from gemv_dispatch.dispatch.corpus import gpu_slug
-from gemv_dispatch.dispatch.policy import Policy, canonical_bytes, content_digest
+from gemv_dispatch.dispatch.policy import Policy, canonical_bytes, content_digest, read_digested
 from gemv_dispatch.dispatch.timing import cell_seed
 from gemv_dispatch.kernels import emulate, program
 from gemv_dispatch.kernels.codebooks import CODEBOOKS, EXECUTION, get
@@ -918,13 +917,8 @@ def certificate_bytes(cert: Mapping[str, Any]) -> bytes:
 def read_certificate(data: bytes, where: str) -> dict[str, Any]:
     """Parse certificate bytes; InputError unless they are the canonical bytes of a certificate whose digest
     matches its content (a one-byte edit anywhere is refused)."""
-    try:
-        cert = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise InputError(f"{where}: not a JSON certificate ({err})") from None
-    if not isinstance(cert, dict) or cert.get("format") != CERT_FORMAT:
-        raise InputError(f"{where}: not a {CERT_FORMAT} file")
-    if canonical_bytes(cert) != data or with_digest(cert).get("digest") != cert.get("digest"):
+    cert = read_digested(data, where, CERT_FORMAT, "certificate", "certify")
+    if canonical_bytes(cert) != data:  # stricter than the digest: not even white space may change
         raise InputError(f"{where}: digest mismatch: the certificate was edited after `certify` wrote it")
     return cert
 

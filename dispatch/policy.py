@@ -48,6 +48,20 @@ def content_digest(obj: Mapping[str, Any]) -> str:
     return hashlib.sha256(canonical_bytes({k: v for k, v in obj.items() if k != "digest"})).hexdigest()
 
 
+def read_digested(data: bytes, where: str, fmt: str, what: str, writer: str) -> dict[str, Any]:
+    """A JSON object of format `fmt` that carries its own digest (a policy file, a certificate); InputError, one
+    line naming `where`, unless it parses, has that format and its digest matches its content."""
+    try:
+        obj = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise InputError(f"{where}: not a JSON {what} file ({err})") from None
+    if not isinstance(obj, dict) or obj.get("format") != fmt:
+        raise InputError(f"{where}: not a {fmt} file")
+    if obj.get("digest") != content_digest(obj):
+        raise InputError(f"{where}: digest mismatch: the {what} was edited after `{writer}` wrote it")
+    return obj
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Candidates
 
@@ -286,15 +300,7 @@ class Policy:
     @classmethod
     def from_bytes(cls, data: bytes, where: str = "policy") -> Policy:
         """Parse and validate a policy file's bytes; InputError (one line, naming `where`) on any defect."""
-        try:
-            obj = json.loads(data.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise InputError(f"{where}: not a JSON policy file ({err})") from None
-        if not isinstance(obj, dict) or obj.get("format") != FORMAT:
-            raise InputError(f"{where}: not a {FORMAT} file")
-        if obj.get("digest") != content_digest(obj):
-            raise InputError(f"{where}: digest mismatch: the file was edited after `train` wrote it")
-        return _parse(obj, where)
+        return _parse(read_digested(data, where, FORMAT, "policy", "train"), where)
 
     def save(self, path: str | Path) -> None:
         """Write the file atomically enough for a CLI: the bytes are built first, so an error writes nothing."""

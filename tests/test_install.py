@@ -96,7 +96,7 @@ def tamper_certificate(folder: Path) -> None:
 
 BAD = {
     "tampered module": (tamper_module, "bytes differ from what the certificate binds"),
-    "tampered certificate": (tamper_certificate, "digest mismatch|not a JSON certificate"),
+    "tampered certificate": (tamper_certificate, "digest mismatch|not a JSON certificate file"),
     "missing certificate": (lambda f: (f / generate.CERTIFICATE).unlink(), "no certificate.json"),
     "other kernels": (lambda f: forge(f, lambda c: c["digests"].update(kernels="0" * 64)), "kernel sources"),
     "failed certificate": (lambda f: forge(f, lambda c: c.update(passed=False)), "failed or missing checks"),
