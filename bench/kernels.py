@@ -1,11 +1,16 @@
-"""Kernel benchmark (issue: CUDA kernel families): best candidate per anchor shape vs the read ceiling,
-torch's int4 tinygemm and cuBLAS fp16, all timed the same way in one run.
+"""Kernel benchmark: best candidate per anchor shape and M vs the read ceiling, torch's int4 tinygemm and
+cuBLAS fp16, and an end-to-end decode figure (Llama-3.1-8B's layer stack), all timed the same way in one run.
 
 Every time is a CUDA-graph replay of R launches on one explicit stream, events recorded on that stream,
 cold L2 by rotating weight copies past 3x the device's L2, interleaved rounds, medians
 (dispatch.timing). Weights are random codes with finite random scales: no zeros, no special values.
 
-    python bench/kernels.py --out bench/results/kernels-h200.json
+    python bench/kernels.py --out bench/results/kernels-h200.json --plot bench/results/roofline-h200.png
+
+Rows: Q4_0 and Q8_0 at M in MS on every anchor, the other codebooks at M = 1. End to end: the sum over one
+Llama-3.1-8B decode step (q, k, v, o, gate, up, down x 32 layers + lm_head) of the best candidate's time per
+shape, plus one activation quantization per distinct input (anchors.LLAMA_8B_QUANTIZED_PER_LAYER), at M = 1
+and 16, against the same sum for tinygemm and cuBLAS fp16 (which take bf16 / fp16 activations as they are).
 """
 
 from __future__ import annotations
@@ -20,14 +25,22 @@ from typing import Any
 
 import cupy as cp
 import numpy as np
+from anchors import (
+    ANCHORS,
+    LLAMA_8B_LAYER,
+    LLAMA_8B_LAYERS,
+    LLAMA_8B_LM_HEAD,
+    LLAMA_8B_QUANTIZED_PER_LAYER,
+)
 from gemv_dispatch.dispatch.sweep import GpuTimer, sweep_timing
 from gemv_dispatch.dispatch.timing import CupyBackend, Launch, Rotation, Stats, copies_for_cold_l2, time_candidates
+from gemv_dispatch.kernels import launch
 from gemv_dispatch.kernels.codebooks import CODEBOOKS, get
 from gemv_dispatch.kernels.registry import by_id, candidates_for
 
-ANCHORS = [(4096, 4096), (14336, 4096), (4096, 14336), (5120, 5120), (27648, 5120), (5120, 27648),
-           (151936, 4096), (1024, 4096), (512, 2048)]
-Q4_0_M = (1, 4, 8, 16)
+MS = (1, 2, 4, 8, 16, 31)
+M_CODEBOOKS = ("Q4_0", "Q8_0")  # the codebooks the small-batch targets name
+E2E_MS = (1, 16)
 CONFIG = replace(sweep_timing(), window_us=300.0)  # the sweep's settings, longer windows
 STREAM_KERNEL = r"""
 // Four independent 16-byte loads in flight per thread per step.
@@ -136,10 +149,61 @@ def read_ceiling(l2: int, sms: int, stream: Any) -> float:
     return chunk / us / 1e3
 
 
+def time_quantize(m: int, k: int, stream: Any) -> float:
+    """Device µs of one activation quantization of float32 [M, K] (graph replay; the input is small: hot)."""
+    with stream:
+        x = cp.random.default_rng(k).standard_normal((m, k), dtype=cp.float32)
+        store = launch.storage(launch.empty_activations(m, k))
+    stream.synchronize()
+
+    def run(_: int) -> None:
+        launch.enqueue_quantize(x, m, k // 32, store, stream)
+
+    stats = time_candidates({"quantize": run}, 1, replace(CONFIG, cold_l2=False), CupyBackend(stream))
+    return stats["quantize"].median_us
+
+
+def end_to_end(codebook: str, m: int, timer: GpuTimer, l2: int, backend: TorchBackend) -> dict[str, float]:
+    """µs of one decode step of Llama-3.1-8B as a sum of per-shape times (module docstring)."""
+    shapes = [*LLAMA_8B_LAYER.values(), LLAMA_8B_LM_HEAD]
+    counts = [LLAMA_8B_LAYERS] * len(LLAMA_8B_LAYER) + [1]
+    ours = {s: min(st.median_us for st in time_ours(timer, codebook, m, *s).values()) for s in set(shapes)}
+    base = {s: time_baselines(m, *s, l2, backend) for s in set(shapes)}
+    quantize = {k: time_quantize(m, k, timer.stream) for k in LLAMA_8B_QUANTIZED_PER_LAYER}
+    quantized = sum(LLAMA_8B_LAYERS * c * quantize[k] for k, c in LLAMA_8B_QUANTIZED_PER_LAYER.items())
+    quantized += quantize[LLAMA_8B_LM_HEAD[1]]
+    total = {"ours_gemv": sum(c * ours[s] for s, c in zip(shapes, counts, strict=True)), "ours_quantize": quantized}
+    total["ours"] = total["ours_gemv"] + quantized
+    for b in ("tinygemm_int4", "cublas_fp16"):
+        total[b] = sum(c * base[s][b] for s, c in zip(shapes, counts, strict=True))
+    return total
+
+
+def plot_roofline(rows: list[dict[str, Any]], ceiling: float, path: Path) -> None:
+    """Weight bytes vs time per row (log-log), one series per M, and the read-ceiling line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 5))
+    for m in sorted({r["m"] for r in rows}):
+        pts = [(r["weight_bytes"], r["us"]) for r in rows if r["m"] == m]
+        ax.scatter(*zip(*pts, strict=True), s=14, label=f"M = {m}")
+    xs = np.geomspace(min(r["weight_bytes"] for r in rows) / 2, max(r["weight_bytes"] for r in rows) * 2, 50)
+    ax.plot(xs, xs / ceiling / 1e3, "k-", lw=1, label=f"read ceiling {ceiling:.0f} GB/s")
+    ax.set(xscale="log", yscale="log", xlabel="weight bytes", ylabel="µs per GEMV (graph replay, cold L2)",
+           title="Best candidate per shape and M")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True, help="JSON results file")
-    ap.add_argument("--quick", action="store_true", help="three anchors only (smoke run)")
+    ap.add_argument("--plot", type=Path, help="roofline PNG (matplotlib)")
+    ap.add_argument("--quick", action="store_true", help="three anchors, no end-to-end figure (smoke run)")
     args = ap.parse_args()
     timer = GpuTimer(CONFIG)
     prov = timer.provenance()
@@ -150,8 +214,8 @@ def main() -> None:
     print(f"{props['name']}: read ceiling {ceiling:.0f} GB/s (16-byte streaming loads)", flush=True)
     backend = TorchBackend()
     anchors = ANCHORS[:3] if args.quick else ANCHORS
-    cells = [("Q4_0", m, n, k) for n, k in anchors for m in Q4_0_M]
-    cells += [(cb, 1, n, k) for n, k in anchors for cb in CODEBOOKS if cb != "Q4_0"]
+    cells = [(cb, m, n, k) for cb in M_CODEBOOKS for n, k in anchors for m in MS]
+    cells += [(cb, 1, n, k) for n, k in anchors for cb in CODEBOOKS if cb not in M_CODEBOOKS]
     rows = []
     baselines: dict[tuple[int, int, int], dict[str, float]] = {}
     for codebook, m, n, k in cells:
@@ -159,28 +223,41 @@ def main() -> None:
         best = min(stats, key=lambda c: stats[c].median_us)
         st, engines = stats[best], engine_bests(stats)
         nbytes = n * (k // 32) * get(codebook).block_bytes  # every plane once: the GGUF bytes
-        if codebook == "Q4_0":
+        if codebook in M_CODEBOOKS and (m, n, k) not in baselines:
             baselines[(m, n, k)] = time_baselines(m, n, k, l2, backend)
-        base = baselines.get((m, n, k), {})
+        base = baselines.get((m, n, k), {}) if codebook in M_CODEBOOKS else {}
         gbs = nbytes / st.median_us / 1e3
         row = {"codebook": codebook, "m": m, "n": n, "k": k, "best": best, "us": st.median_us, "p5_us": st.p5_us,
                "p95_us": st.p95_us, "weight_bytes": nbytes, "gbs": gbs, "of_ceiling": gbs / ceiling,
+               "ceiling_us": nbytes / ceiling / 1e3,
                **{f"{b}_us": v for b, v in base.items()},
                **{f"x_{b}": v / st.median_us for b, v in base.items()},
                **{f"best_{e}_us": v for e, v in engines.items()},
                "candidates_us": {c: stats[c].median_us for c in sorted(stats)}}
         rows.append(row)
         print(json.dumps({key: v for key, v in row.items() if key != "candidates_us"}), flush=True)
+    e2e = {} if args.quick else {f"{cb} M={m}": end_to_end(cb, m, timer, l2, backend)
+                                  for cb in M_CODEBOOKS for m in E2E_MS}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"device": props, "read_ceiling_gbs": ceiling, "config": CONFIG.__dict__,
-                                    "seconds": time.time() - t0, "rows": rows}, indent=1) + "\n")
+                                    "seconds": time.time() - t0, "rows": rows, "end_to_end_us": e2e},
+                                   indent=1) + "\n")
+    if args.plot:
+        plot_roofline(rows, ceiling, args.plot)
     print(f"\n{'codebook':8} {'M':>3} {'N':>7} {'K':>6} {'best':24} {'us':>8} {'GB/s':>6} {'ceil%':>6} "
-          f"{'x tiny':>7} {'x fp16':>7} {'dp4a us':>8} {'mma us':>8}")
+          f"{'x tiny':>7} {'x fp16':>7} {'dp4a us':>8} {'mma us':>8} {'/M=1':>6}")
+    m1 = {(r["codebook"], r["n"], r["k"]): r["us"] for r in rows if r["m"] == 1}
     for r in rows:
         tiny, fp16 = r.get("x_tinygemm_int4", math.nan), r.get("x_cublas_fp16", math.nan)
         print(f"{r['codebook']:8} {r['m']:>3} {r['n']:>7} {r['k']:>6} {r['best']:24} {r['us']:8.2f} "
               f"{r['gbs']:6.0f} {100 * r['of_ceiling']:6.1f} {tiny:7.2f} {fp16:7.2f} "
-              f"{r.get('best_dp4a_us', math.nan):8.2f} {r.get('best_mma_us', math.nan):8.2f}")
+              f"{r.get('best_dp4a_us', math.nan):8.2f} {r.get('best_mma_us', math.nan):8.2f} "
+              f"{r['us'] / m1[(r['codebook'], r['n'], r['k'])]:6.2f}")
+    for name, t in e2e.items():
+        print(f"end to end, Llama-3.1-8B decode step, {name}: ours {t['ours']:.0f} µs (GEMV {t['ours_gemv']:.0f} + "
+              f"quantize {t['ours_quantize']:.0f}), tinygemm {t['tinygemm_int4']:.0f} µs "
+              f"({t['tinygemm_int4'] / t['ours']:.2f}x), cuBLAS fp16 {t['cublas_fp16']:.0f} µs "
+              f"({t['cublas_fp16'] / t['ours']:.2f}x)")
 
 
 if __name__ == "__main__":

@@ -26,12 +26,11 @@ from pathlib import Path
 from typing import Any
 
 import cupy as cp
+from anchors import ANCHORS
 from gemv_dispatch.dispatch import runtime
 from gemv_dispatch.dispatch.timing import CupyBackend, TimingConfig, copies_for_cold_l2, time_candidates
 from gemv_dispatch.kernels import launch
 
-ANCHORS = [(4096, 4096), (14336, 4096), (4096, 14336), (5120, 5120), (27648, 5120), (5120, 27648),
-           (151936, 4096), (1024, 4096), (512, 2048)]
 MS = (1, 16)
 CALLS, BATCHES = 400, 15  # per batch: well under the launch queue depth
 

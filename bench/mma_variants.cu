@@ -1,0 +1,333 @@
+// Experiments (issue: small-batch speed), appended to kernels/cuda/gemv.cu by bench/mma_variants.py: variants of
+// the tensor-core engine with the same arguments, arithmetic and accumulation order as gemv_mma, so for the same
+// S their bytes must equal the registry's (the script checks before it times anything).
+//
+// gemv_mma_staged (version 7): the activations of a K chunk staged once per CTA in shared memory. Against gemv_mma: (1) a lane's A fragment of a block is one 16-byte shared load (staged in
+// fragment order: lane (g, t) holds rows g, g+8 x words t, t+4), not four 4-byte global loads per M tile and
+// warp; (2) d_a, sum_a and the per-row bias are computed once per CTA and (block, row), not per warp, and read
+// as (g, g+8) pairs; (3) the weight pointers advance by one block stride instead of recomputing 64-bit
+// offsets. Warps past N keep joining the barriers.
+
+#ifndef STAGE_BLOCKS
+#define STAGE_BLOCKS 16
+#endif
+
+template <int CB, int NT, int MTILES, bool GRID_SPLIT>
+__global__ void gemv_mma_staged(const u32* __restrict__ payload, const u32* __restrict__ high,
+                                const u16* __restrict__ scale, const u16* __restrict__ minv,
+                                const int* __restrict__ qa, const float* __restrict__ da,
+                                const int* __restrict__ sa, int M, int N, int KB, int width,
+                                float* __restrict__ out) {
+    typedef Traits<CB> T;
+    constexpr int KC = STAGE_BLOCKS;
+    constexpr int LANE_WORDS = 2 + (CB == Q8_0) + T::ASYM + T::HIGH;
+    constexpr int DEPTH = 32 / (NT * LANE_WORDS) > 1 ? 32 / (NT * LANE_WORDS) : 1;
+    __shared__ uint4 s_frag[KC][MTILES][32];
+    __shared__ float2 s_da[KC][MTILES][8];  // (row g, row g + 8)
+    __shared__ int2 s_bias[KC][MTILES][8];
+    __shared__ float2 s_sum[KC][MTILES][T::ASYM ? 8 : 1];
+
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int n_warp = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * 8 * NT;
+    const int tiles = n_warp < N ? min(NT, (N - n_warp) / 8) : 0;  // warp-uniform; 0: barriers only
+    const int p = GRID_SPLIT ? blockIdx.y : 0;
+    const int b_begin = p * width;
+    const int b_end = min(KB, b_begin + width);
+    const u64 block_stride = (u64)N;  // elements of one block plane row
+
+    for (int m0 = 0; m0 < M; m0 += 16 * MTILES) {
+        float acc[MTILES][NT][4];
+#pragma unroll
+        for (int i = 0; i < MTILES; ++i)
+#pragma unroll
+            for (int j = 0; j < NT; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+
+        for (int c0 = b_begin; c0 < b_end; c0 += KC) {
+            const int cn = min(KC, b_end - c0);
+            __syncthreads();  // every warp is done with the previous chunk
+            // Fragments: entry e = ((u * MTILES + i) * 16 + r) * 8 + w -> block c0 + u, M tile i, row r, word w;
+            // consecutive threads read consecutive words of the block-major activations.
+            for (int e = threadIdx.x; e < cn * MTILES * 128; e += blockDim.x) {
+                const int w = e & 7, r = (e >> 3) & 15, ui = e >> 7;
+                const int i = ui % MTILES, u = ui / MTILES;
+                const int row = m0 + 16 * i + r;
+                const int v = row < M ? __ldg(qa + ((u64)(c0 + u) * M + row) * 8 + w) : 0;
+                reinterpret_cast<int*>(&s_frag[u][i][(r & 7) * 4 + (w & 3)])[(r >> 3) + 2 * (w >> 2)] = v;
+            }
+            for (int e = threadIdx.x; e < cn * MTILES * 16; e += blockDim.x) {
+                const int r = e & 15, ui = e >> 4;
+                const int i = ui % MTILES, u = ui / MTILES;
+                const int row = m0 + 16 * i + r;
+                RowBlock<CB> rb = RowBlock<CB>::of(0.0f, 0);
+                if (row < M) {
+                    const u64 ab = (u64)(c0 + u) * M + row;
+                    rb = RowBlock<CB>::of(__ldg(da + ab), __ldg(sa + ab));
+                }
+                reinterpret_cast<float*>(&s_da[u][i][r & 7])[r >> 3] = rb.d_a;
+                reinterpret_cast<int*>(&s_bias[u][i][r & 7])[r >> 3] = rb.bias;
+                if (T::ASYM) reinterpret_cast<float*>(&s_sum[u][i][r & 7])[r >> 3] = rb.sum_a;
+            }
+            __syncthreads();
+            if (tiles == 0) continue;
+
+            // This lane's weight words of tile j at block c0: advanced by one block plane per block.
+            const u64 first = (u64)c0 * block_stride + n_warp;
+            for (int u0 = 0; u0 < cn; u0 += DEPTH) {
+                TileWords<CB> tw[DEPTH][NT];
+#pragma unroll
+                for (int uu = 0; uu < DEPTH; ++uu)
+#pragma unroll
+                    for (int j = 0; j < NT; ++j) {
+                        TileWords<CB>& x = tw[uu][j];
+                        x = TileWords<CB>{0u, 0u, 0u, 0u, 0u};
+                        if (u0 + uu < cn && j < tiles) {
+                            const u64 col = first + (u64)(u0 + uu) * block_stride + 8 * j;
+                            const u32* w = payload + (col + g) * T::WORDS;
+                            x.w = __ldg(w + t);
+                            if (CB == Q8_0) x.w_hi = __ldg(w + 4 + t);
+                            if (T::HIGH) x.high = __ldg(high + col + g);
+                            x.scales = __ldg(reinterpret_cast<const u32*>(scale + col + 2 * t));
+                            if (T::ASYM) x.mins = __ldg(reinterpret_cast<const u32*>(minv + col + 2 * t));
+                        }
+                    }
+#pragma unroll
+                for (int uu = 0; uu < DEPTH; ++uu) {
+                    const int u = u0 + uu;
+                    if (u >= cn) break;  // warp-uniform
+                    int a[MTILES][4];
+                    RowBlock<CB> rows[MTILES][2];
+#pragma unroll
+                    for (int i = 0; i < MTILES; ++i) {
+                        const uint4 f = s_frag[u][i][lane];
+                        a[i][0] = (int)f.x, a[i][1] = (int)f.y, a[i][2] = (int)f.z, a[i][3] = (int)f.w;
+                        const float2 d = s_da[u][i][g];
+                        const int2 bias = s_bias[u][i][g];
+                        const float2 sum = T::ASYM ? s_sum[u][i][T::ASYM ? g : 0] : make_float2(0.0f, 0.0f);
+                        rows[i][0] = RowBlock<CB>{d.x, sum.x, bias.x};
+                        rows[i][1] = RowBlock<CB>{d.y, sum.y, bias.y};
+                    }
+#pragma unroll
+                    for (int j = 0; j < NT; ++j) {
+                        if (j >= tiles) break;  // warp-uniform
+                        const TileWords<CB>& x = tw[uu][j];
+                        int lo, hi;
+                        decode_word<CB>(x.w, x.w_hi, x.high, t, lo, hi);
+                        const float d_w[2] = {half_bits_to_float(x.scales & 0xFFFFu), half_bits_to_float(x.scales >> 16)};
+                        const float m_w[2] = {half_bits_to_float(x.mins & 0xFFFFu), half_bits_to_float(x.mins >> 16)};
+#pragma unroll
+                        for (int i = 0; i < MTILES; ++i) {
+                            if (m0 + 16 * i >= M) break;  // warp-uniform
+                            int c[4];
+                            mma_s8(a[i], lo, hi, c);
+#pragma unroll
+                            for (int h = 0; h < 2; ++h) {
+                                if (h == 1 && m0 + 16 * i + 8 >= M) break;  // warp-uniform: no rows g+8
+#pragma unroll
+                                for (int e = 0; e < 2; ++e) {
+                                    float& y = acc[i][j][2 * h + e];
+                                    y = add_rn(y, rows[i][h].term(c[2 * h + e], d_w[e], m_w[e]));
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+
+#pragma unroll
+        for (int i = 0; i < MTILES; ++i)
+#pragma unroll
+            for (int j = 0; j < NT; ++j)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int r = m0 + 16 * i + 8 * h + g;
+                    if (j >= tiles || r >= M) continue;
+                    const u64 at = (GRID_SPLIT ? ((u64)p * M + r) : (u64)r) * N + n_warp + 8 * j + 2 * t;
+                    const float* y = acc[i][j] + 2 * h;
+                    if (GRID_SPLIT)
+                        *reinterpret_cast<float2*>(out + at) = make_float2(y[0], y[1]);
+                    else
+                        *reinterpret_cast<float2*>(out + at) = make_float2(add_rn(0.0f, y[0]), add_rn(0.0f, y[1]));
+                }
+    }
+}
+
+// gemv_mma_pipe (version 8): every operand streamed into shared memory by cp.async through a STAGES-deep ring of
+// K chunks, so bytes stay in flight while the warps compute, at no register cost (gemv_mma holds its prefetch
+// in registers and has no load in flight while it computes the prefetched blocks). A CTA is 4 warps, 8*NT
+// outputs each; a chunk holds KC blocks of the CTA's payload, scales (mins, high bits) and the M tile's
+// activations (rows padded to 48 bytes: conflict-free fragment loads). Rows past M and outputs past N are
+// zero-filled by the copy itself (src-size 0). One barrier per chunk.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(gmem), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem, bool valid) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(s), "l"(gmem), "r"(valid ? 4 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
+
+constexpr int PIPE_WARPS = 4;
+constexpr int PIPE_STAGES = 3;
+constexpr int ROW_WORDS = 12;  // a 32-byte activation row + 16 bytes of padding
+
+template <int CB, int NT, int MTILES>
+struct PipeShape {
+    static constexpr int OUT = PIPE_WARPS * 8 * NT;           // outputs per CTA
+    static constexpr int PAY = OUT * Traits<CB>::WORDS;       // payload words per block
+    static constexpr int KC = 1024 / PAY > 2 ? 1024 / PAY : 2;  // blocks per chunk: ~4 KB of payload
+    static constexpr int ROWS = 16 * MTILES;
+};
+
+template <int CB, int NT, int MTILES, bool GRID_SPLIT>
+__global__ void __launch_bounds__(PIPE_WARPS * 32)
+gemv_mma_pipe(const u32* __restrict__ payload, const u32* __restrict__ high, const u16* __restrict__ scale,
+              const u16* __restrict__ minv, const int* __restrict__ qa, const float* __restrict__ da,
+              const int* __restrict__ sa, int M, int N, int KB, int width, float* __restrict__ out) {
+    typedef Traits<CB> T;
+    typedef PipeShape<CB, NT, MTILES> P;
+    constexpr int OUT = P::OUT, PAY = P::PAY, KC = P::KC, ROWS = P::ROWS, ST = PIPE_STAGES;
+    __shared__ __align__(16) u32 s_pay[ST][KC][PAY];
+    __shared__ __align__(16) u16 s_scale[ST][KC][OUT];
+    __shared__ __align__(16) u16 s_min[ST][KC][T::ASYM ? OUT : 8];
+    __shared__ __align__(16) u32 s_high[ST][KC][T::HIGH ? OUT : 4];
+    __shared__ __align__(16) int s_q[ST][KC][ROWS][ROW_WORDS];
+    __shared__ float s_d[ST][KC][ROWS];
+    __shared__ int s_s[ST][KC][ROWS];
+
+    const int tid = threadIdx.x, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const int n_cta = blockIdx.x * OUT;
+    const int o_warp = (tid >> 5) * 8 * NT;
+    const int tiles = n_cta + o_warp < N ? min(NT, (N - n_cta - o_warp) / 8) : 0;  // warp-uniform
+    const int p = GRID_SPLIT ? blockIdx.y : 0;
+    const int b_begin = p * width;
+    const int b_end = min(KB, b_begin + width);
+    const int chunks = (b_end - b_begin + KC - 1) / KC;
+
+    for (int m0 = 0; m0 < M; m0 += ROWS) {
+        // Chunk c into ring slot c % ST: 16-byte pieces, consecutive threads on consecutive pieces.
+        auto issue = [&](int c) {
+            const int slot = c % ST, b0 = b_begin + c * KC, cn = min(KC, b_end - b0);
+            for (int e = tid; e < KC * PAY / 4; e += PIPE_WARPS * 32) {
+                const int u = e / (PAY / 4), piece = e % (PAY / 4);
+                const bool ok = u < cn && n_cta + piece * 4 / T::WORDS < N;
+                const u32* src = payload + ((u64)(b0 + u) * N + n_cta) * T::WORDS + piece * 4;
+                cp_async16(&s_pay[slot][u][piece * 4], ok ? src : payload, ok);
+            }
+            for (int e = tid; e < KC * OUT / 8; e += PIPE_WARPS * 32) {
+                const int u = e / (OUT / 8), piece = e % (OUT / 8);
+                const bool ok = u < cn && n_cta + piece * 8 < N;
+                const u64 at = (u64)(b0 + u) * N + n_cta + piece * 8;
+                cp_async16(&s_scale[slot][u][piece * 8], ok ? scale + at : scale, ok);
+                if (T::ASYM) cp_async16(&s_min[slot][u][T::ASYM ? piece * 8 : 0], ok ? minv + at : minv, ok);
+            }
+            if (T::HIGH)
+                for (int e = tid; e < KC * OUT / 4; e += PIPE_WARPS * 32) {
+                    const int u = e / (OUT / 4), piece = e % (OUT / 4);
+                    const bool ok = u < cn && n_cta + piece * 4 < N;
+                    const u64 at = (u64)(b0 + u) * N + n_cta + piece * 4;
+                    cp_async16(&s_high[slot][u][T::HIGH ? piece * 4 : 0], ok ? high + at : high, ok);
+                }
+            for (int e = tid; e < KC * ROWS * 2; e += PIPE_WARPS * 32) {
+                const int u = e / (ROWS * 2), r = (e >> 1) % ROWS, half = e & 1;
+                const bool ok = u < cn && m0 + r < M;
+                const int* src = qa + ((u64)(b0 + u) * M + m0 + r) * 8 + 4 * half;
+                cp_async16(&s_q[slot][u][r][4 * half], ok ? src : qa, ok);
+            }
+            for (int e = tid; e < KC * ROWS; e += PIPE_WARPS * 32) {
+                const int u = e / ROWS, r = e % ROWS;
+                const bool ok = u < cn && m0 + r < M;
+                const u64 ab = (u64)(b0 + u) * M + m0 + r;
+                cp_async4(&s_d[slot][u][r], ok ? da + ab : da, ok);
+                cp_async4(&s_s[slot][u][r], ok ? sa + ab : sa, ok);
+            }
+        };
+
+        float acc[MTILES][NT][4];
+#pragma unroll
+        for (int i = 0; i < MTILES; ++i)
+#pragma unroll
+            for (int j = 0; j < NT; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+
+#pragma unroll
+        for (int c = 0; c < ST - 1; ++c) {
+            if (c < chunks) issue(c);
+            cp_async_commit();  // empty groups keep the count of pending groups uniform
+        }
+        for (int c = 0; c < chunks; ++c) {
+            cp_async_wait<ST - 2>();
+            __syncthreads();  // chunk c has landed for every thread; slot (c - 1) % ST is free
+            if (c + ST - 1 < chunks) issue(c + ST - 1);
+            cp_async_commit();
+            if (tiles == 0) continue;
+            const int slot = c % ST, cn = min(KC, b_end - b_begin - c * KC);
+            for (int u = 0; u < cn; ++u) {
+                int a[MTILES][4];
+                RowBlock<CB> rows[MTILES][2];
+#pragma unroll
+                for (int i = 0; i < MTILES; ++i)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const int r = 16 * i + 8 * h + g;  // zero-filled past M
+                        a[i][h] = s_q[slot][u][r][t];
+                        a[i][2 + h] = s_q[slot][u][r][4 + t];
+                        rows[i][h] = RowBlock<CB>::of(s_d[slot][u][r], s_s[slot][u][r]);
+                    }
+#pragma unroll
+                for (int j = 0; j < NT; ++j) {
+                    if (j >= tiles) break;  // warp-uniform
+                    const int o = o_warp + 8 * j + g;
+                    const u32 w = s_pay[slot][u][o * T::WORDS + t];
+                    const u32 w_hi = CB == Q8_0 ? s_pay[slot][u][o * T::WORDS + 4 + t] : 0u;
+                    const u32 hb = T::HIGH ? s_high[slot][u][T::HIGH ? o : 0] : 0u;
+                    const u32 scales = *reinterpret_cast<const u32*>(&s_scale[slot][u][o_warp + 8 * j + 2 * t]);
+                    const u32 mins = T::ASYM ? *reinterpret_cast<const u32*>(&s_min[slot][u][T::ASYM ? o_warp + 8 * j + 2 * t : 0]) : 0u;
+                    int lo, hi;
+                    decode_word<CB>(w, w_hi, hb, t, lo, hi);
+                    const float d_w[2] = {half_bits_to_float(scales & 0xFFFFu), half_bits_to_float(scales >> 16)};
+                    const float m_w[2] = {half_bits_to_float(mins & 0xFFFFu), half_bits_to_float(mins >> 16)};
+#pragma unroll
+                    for (int i = 0; i < MTILES; ++i) {
+                        if (m0 + 16 * i >= M) break;  // warp-uniform
+                        int cc[4];
+                        mma_s8(a[i], lo, hi, cc);
+#pragma unroll
+                        for (int h = 0; h < 2; ++h) {
+                            if (h == 1 && m0 + 16 * i + 8 >= M) break;  // warp-uniform: no rows g+8
+#pragma unroll
+                            for (int e = 0; e < 2; ++e) {
+                                float& y = acc[i][j][2 * h + e];
+                                y = add_rn(y, rows[i][h].term(cc[2 * h + e], d_w[e], m_w[e]));
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        cp_async_wait<0>();
+        __syncthreads();  // the next M pass refills the ring
+
+#pragma unroll
+        for (int i = 0; i < MTILES; ++i)
+#pragma unroll
+            for (int j = 0; j < NT; ++j)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int r = m0 + 16 * i + 8 * h + g;
+                    if (j >= tiles || r >= M) continue;
+                    const u64 at = (GRID_SPLIT ? ((u64)p * M + r) : (u64)r) * N + n_cta + o_warp + 8 * j + 2 * t;
+                    const float* y = acc[i][j] + 2 * h;
+                    if (GRID_SPLIT)
+                        *reinterpret_cast<float2*>(out + at) = make_float2(y[0], y[1]);
+                    else
+                        *reinterpret_cast<float2*>(out + at) = make_float2(add_rn(0.0f, y[0]), add_rn(0.0f, y[1]));
+                }
+    }
+}
