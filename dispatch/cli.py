@@ -120,6 +120,9 @@ def shapes_from_gguf(model: Path, output: Path | None, as_json: bool) -> None:
               help="Serve timings from this corpus folder instead of a GPU (CPU runs and tests).")
 @click.option("--devices", help="CUDA device ids, e.g. 0,1: one child process per GPU, geometries dealt "
               "round robin, one compaction at the end.")
+@click.option("--ray", "ray_address", is_flag=False, flag_value="", metavar="[ADDRESS]",
+              help="Sweep every GPU of a Ray cluster (the `fleet` extra), one corpus folder per GPU model: ADDRESS "
+              "as ray.init takes it (auto, ray://host:10001); alone, the local Ray (a running one, else a new one).")
 @click.option("--codebooks", default=DEFAULT_CODEBOOKS, show_default=True, help="Comma list, or 'all'.")
 @click.option("--m", "ms", default=DEFAULT_MS, show_default=True, help="Activation rows M, comma list.")
 @click.option("--modes", default=DEFAULT_MODES, show_default=True, help="Launch modes: graph, eager or both.")
@@ -134,9 +137,9 @@ def shapes_from_gguf(model: Path, output: Path | None, as_json: bool) -> None:
 @click.option("--device-count", type=int, default=1, hidden=True)
 @click.option("--replay-delay", type=float, default=0.0, hidden=True)  # seconds per cell, for tests
 @user_errors
-def sweep_command(corpus_root: Path | None, replay: Path | None, devices: str | None, codebooks: str, ms: str,
-                  modes: str, shape_paths: tuple[Path, ...], limit: int | None, hot: bool, wait: bool,
-                  as_json: bool, device_index: int | None, device_count: int, replay_delay: float) -> None:
+def sweep_command(corpus_root: Path | None, replay: Path | None, devices: str | None, ray_address: str | None,
+                  codebooks: str, ms: str, modes: str, shape_paths: tuple[Path, ...], limit: int | None, hot: bool,
+                  wait: bool, as_json: bool, device_index: int | None, device_count: int, replay_delay: float) -> None:
     """Time every candidate kernel over (codebook, M, N, K, mode) cells into CORPUS_ROOT/<gpu>/.
 
     Default plan: the (N, K) of every model inventory in corpus/shapes/, all six codebooks, M in {1, 4, 16},
@@ -153,9 +156,16 @@ def sweep_command(corpus_root: Path | None, replay: Path | None, devices: str | 
     moot += ["--replay-delay"] if replay_delay and not replay else []
     if moot:
         raise InputError(f"{', '.join(moot)} cannot apply {'under' if replay else 'without'} --replay")
+    if ray_address is not None and devices is not None:
+        raise InputError("--ray and --devices exclude each other: a Ray cluster deals out its own GPUs")
     plan = sweep.parse_plan(codebooks, ms, modes, shape_paths, limit, hot)
     root = corpus_root if corpus_root is not None else home_dir() / "corpus"
-    if devices is not None:
+    if ray_address is not None:
+        from gemv_dispatch.dispatch import fleet
+
+        spec = fleet.ReplaySpec((str(replay.resolve()),), replay_delay) if replay else fleet.GpuSpec(plan.timing)
+        result = fleet.run_fleet(plan, root, spec, address=ray_address or None, wait=wait)
+    elif devices is not None:
         argv = ["--corpus-root", str(root.resolve()), "--codebooks", codebooks, "--m", ms, "--modes", modes]
         argv += [arg for p in shape_paths for arg in ("--shapes", str(p.resolve()))]
         argv += ["--limit", str(limit)] if limit is not None else []

@@ -9,7 +9,7 @@ Each finished cell becomes one staged shard (corpus.stage_shard: no manifest rew
 interruption loses at most the cell in flight; a rerun adopts the staged shards and skips the cells the corpus
 holds complete under the same provenance key (resume). A GPU is timed by one sweep at a time (gpulock). With
 several devices, the parent splits the plan round robin by weight geometry, runs one child process per GPU,
-and compacts at the end.
+and compacts at the end. A Ray cluster of many hosts and GPU models is swept by dispatch/fleet.py (`--ray`).
 """
 
 from __future__ import annotations
@@ -395,7 +395,7 @@ class Progress:
         self.stream.flush()
 
 
-def _served(cells: Sequence[Cell], timer: Timer) -> dict[Cell, tuple[Provenance, ...]]:
+def cell_provenances(cells: Sequence[Cell], timer: Timer) -> dict[Cell, tuple[Provenance, ...]]:
     """Each cell's provenances; refuses, before anything is written, a plan with cells the timer cannot time
     (a replay source lacking them), naming the count and a few."""
     served = {cell: timer.provenances(cell) for cell in cells}
@@ -407,6 +407,14 @@ def _served(cells: Sequence[Cell], timer: Timer) -> dict[Cell, tuple[Provenance,
     return served
 
 
+def stage_cell(folder: Path, cell: Cell, provenance: Provenance, timing: CellTiming,
+               candidates: Sequence[Candidate]) -> int:
+    """Stage the cell's records (one per candidate) as one shard; returns their count."""
+    rows = [Record.measured(cell, c, timing.stats[c.id], timing.copies, provenance.key) for c in candidates]
+    corpus.stage_shard(folder, provenance, rows)
+    return len(rows)
+
+
 def run_sweep(plan: SweepPlan, corpus_root: str | os.PathLike[str], timer: Timer, *,
               part: tuple[int, int] = (0, 1), compact_at_end: bool = True, label: str = "",
               wait: bool = False) -> SweepResult:
@@ -416,7 +424,7 @@ def run_sweep(plan: SweepPlan, corpus_root: str | os.PathLike[str], timer: Timer
     throughout; `wait` waits for another sweep of the GPU instead of refusing."""
     start = time.monotonic()
     cells = plan.part(*part)
-    served = _served(cells, timer)
+    served = cell_provenances(cells, timer)
     keys = sorted({p.key for provenances in served.values() for p in provenances})
     folder = Path(corpus_root) / gpu_slug(timer.gpu_name)
     with gpulock.hold(timer.lock_key, wait=wait) if timer.lock_key else contextlib.nullcontext():
@@ -430,10 +438,7 @@ def run_sweep(plan: SweepPlan, corpus_root: str | os.PathLike[str], timer: Timer
         records = 0
         for i, (cell, provenance) in enumerate(todo, start=1):
             candidates = candidates_for(cell.m, cell.n, cell.k)
-            timing = timer.measure(cell, provenance, candidates)
-            rows = [Record.measured(cell, c, timing.stats[c.id], timing.copies, provenance.key) for c in candidates]
-            corpus.stage_shard(folder, provenance, rows)
-            records += len(rows)
+            records += stage_cell(folder, cell, provenance, timer.measure(cell, provenance, candidates), candidates)
             progress.update(i, str(cell))
         if compact_at_end and (todo or len(existing.shards) != len(existing.provenances)):
             corpus.compact(folder)

@@ -12,7 +12,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = "gemv_dispatch"
 # Utilities first, then the stages in pipeline order; cli drives them all.
-ORDER = ("__init__", "paths", "files", "environment", "shapes", "timing", "corpus", "gpulock", "sweep",
+ORDER = ("__init__", "paths", "files", "environment", "shapes", "timing", "corpus", "gpulock", "sweep", "fleet",
          "features", "policy", "train", "evaluate", "explain", "certify", "generate", "install", "runtime",
          "check", "tune", "cli")
 LEARNING = ("train", "evaluate")
