@@ -86,10 +86,11 @@ def shapes_list(sources: tuple[Path, ...], as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the inventory as JSON instead of a table.")
 @user_errors
 def shapes_from_gguf(model: Path, output: Path | None, as_json: bool) -> None:
-    """Derive an inventory from a GGUF model's tensor infos (names and shapes only, no weights read).
+    """Derive an inventory from a GGUF model's tensor infos (names, shapes, types; no weights read).
 
     Projections (attn_q/k/v/output, attn_qkv, ffn_gate/up/down, output) become roles, deduplicated
-    across layers; the name comes from general.name, the family from general.architecture."""
+    across layers, each with the GGUF types it is stored in; the name comes from general.name, the family
+    from general.architecture. Tensors of a type the tool does not run are skipped with a warning."""
     import warnings
 
     from gemv_dispatch.dispatch.shapes import from_gguf, write_inventory
@@ -109,7 +110,7 @@ def shapes_from_gguf(model: Path, output: Path | None, as_json: bool) -> None:
     elif output is None:
         click.echo(f"{inv.name} ({inv.family}, {inv.source})")
         for s in inv.shapes:
-            click.echo(f"{s.role:<14} n={s.n:<8} k={s.k}")
+            click.echo(f"{s.role:<14} n={s.n:<8} k={s.k:<8} {','.join(s.codebooks)}".rstrip())
 
 
 @main.command("sweep")

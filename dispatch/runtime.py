@@ -173,6 +173,7 @@ def prepare(weights: PackedWeights | np.ndarray, codebook: str | None = None, k:
     else:
         raise InputError("prepare takes GGUF block bytes (a numpy uint8 array [N, KB*block_bytes]) or a "
                          f"kernels.layout.PackedWeights, got {type(weights).__name__}")
+    get(packed.codebook)  # refuses, before any upload, a format that packs but no kernel runs yet (Q4_K, ...)
     cp = launch.require_device()
     planes = launch.to_device(packed)
     return Weights(packed.codebook, packed.execution, packed.n, packed.k, cp.cuda.runtime.getDevice(), planes)
@@ -192,7 +193,8 @@ def read_gguf_tensor(path: str | Path, name: str) -> PackedWeights:
     if len(tensor.shape) != 2:
         raise InputError(f"{path}: tensor {name!r} has {len(tensor.shape)} dims; a GEMV weight is 2-D")
     k, n = (int(d) for d in tensor.shape)
-    blocks = np.array(tensor.data, dtype=np.uint8).reshape(n, k // BLOCK * get(codebook).block_bytes)
+    book = get(codebook)
+    blocks = np.array(tensor.data, dtype=np.uint8).reshape(n, k // book.weights * book.block_bytes)
     return pack(codebook, blocks, n, k)
 
 

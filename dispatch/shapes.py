@@ -9,8 +9,14 @@ under corpus/shapes/, in this format (keys sorted, indent 1, trailing newline):
      "config": {"hidden_size": 4096, ...},         # the integer dims the shapes came from (optional)
      "shapes": [{"role": "q", "n": 4096, "k": 4096}, ...]}
 
+A shape may also carry "codebooks": ["Q4_K", "Q6_K"], the GGUF types the model stores it in (written by
+`shapes from-gguf`, so a Q4_K_M model yields a mixed-codebook inventory); a shape without it is untyped and
+a sweep plan's codebooks apply to it. Files from before the key existed load unchanged.
+
 Rules, checked on load: n and k are integers > 0, k is a multiple of 32 (one quantization block);
-a role appears once per file, while different roles may share one (n, k); names are unique across files.
+codebooks, where given, are distinct formats the tool understands (kernels.codebooks.FORMATS) and k is a
+multiple of each one's block (256 weights for super-block formats); a role appears once per file, while
+different roles may share one (n, k); names are unique across files.
 Model roles: q, k, v, o, the fused qkv, gate, up, the fused gate_up, down and lm_head. The fused roles
 are listed because engines that fuse the projections launch one GEMV of that size instead of two/three.
 """
@@ -30,6 +36,7 @@ from typing import Any
 
 from gemv_dispatch.dispatch import paths
 from gemv_dispatch.dispatch.files import write_atomic
+from gemv_dispatch.kernels.codebooks import FORMATS, get
 from gemv_dispatch.kernels.errors import BLOCK, InputError
 
 ROLES = ("q", "k", "v", "o", "qkv", "gate", "up", "gate_up", "down", "lm_head")
@@ -62,6 +69,7 @@ class Shape:
     role: str
     model: str
     family: str
+    codebooks: tuple[str, ...] = ()  # sorted GGUF types of the tensors (from-gguf); () = untyped
 
 
 @dataclass(frozen=True)
@@ -85,7 +93,8 @@ class Inventory:
             "family": self.family,
             "source": self.source,
             "config": dict(self.config),
-            "shapes": [{"role": s.role, "n": s.n, "k": s.k} for s in self.shapes],
+            "shapes": [{"role": s.role, "n": s.n, "k": s.k} | ({"codebooks": list(s.codebooks)} if s.codebooks else {})
+                       for s in self.shapes],
         }
 
 
@@ -103,6 +112,27 @@ def _text(data: Mapping[str, Any], key: str, where: str) -> str:
     if not isinstance(value, str) or not value.strip():
         raise InputError(f"{where}: '{key}' must be a non-empty string, got {value!r}")
     return value
+
+
+def _codebooks(entry: dict[str, Any], at: str) -> tuple[str, ...]:
+    """The optional 'codebooks' of a validated shape entry, canonical names sorted; () when absent."""
+    if "codebooks" not in entry:
+        return ()
+    given = entry["codebooks"]
+    if not isinstance(given, list) or not given or not all(isinstance(name, str) for name in given):
+        raise InputError(f"{at}: 'codebooks' must be a non-empty list of codebook names, got {given!r}")
+    names = []
+    for name in given:
+        try:
+            book = get(name, runnable=False)
+        except InputError as err:
+            raise InputError(f"{at}: {err}") from None
+        if entry["k"] % book.weights:
+            raise InputError(f"{at}: k={entry['k']} is not a multiple of {book.weights}, the {book.name} super-block")
+        names.append(book.name)
+    if len(set(names)) != len(names):
+        raise InputError(f"{at}: 'codebooks' lists a codebook twice: {given!r}")
+    return tuple(sorted(names))
 
 
 def inventory_from_dict(data: Any, where: str) -> Inventory:
@@ -139,7 +169,7 @@ def inventory_from_dict(data: Any, where: str) -> Inventory:
         if role in seen:
             raise InputError(f"{at}: duplicate role, already at shapes[{seen[role]}]")
         seen[role] = i
-        shapes.append(Shape(entry["n"], entry["k"], role, name, family))
+        shapes.append(Shape(entry["n"], entry["k"], role, name, family, _codebooks(entry, at)))
     return Inventory(name, family, source, tuple(shapes), tuple(sorted(config.items())))
 
 
@@ -272,6 +302,7 @@ _GGUF_ROLES = {
     "ffn_down_exps": "expert_down",
 }
 _GGUF_BLOCK = re.compile(r"blk\.\d+\.(?P<base>\w+)\.weight")
+_FLOAT_TYPES = frozenset({"F32", "F16", "BF16", "F64"})  # unquantized: the geometry counts, untyped
 
 
 def _slug(text: str) -> str:
@@ -295,20 +326,24 @@ def from_gguf(path: StrPath) -> Inventory:
 
     GGUF stores a matrix's dims as ne = [K, N]: ne[0] is the contiguous (input) dim, and
     gguf.GGUFReader's ReaderTensor.shape is that ne list, so n = shape[1], k = shape[0].
-    Identical (role, n, k) across layers collapse into one entry; a role that occurs with several
-    geometries (models with per-layer widths) gets one entry per geometry, named `role:NxK`.
-    token_embd is not a GEMV, except as the lm_head of a tied model without output.weight.
-    Matrices whose K is not a multiple of 32 cannot be block-quantized and are skipped with a warning."""
+    Identical (role, n, k) across layers collapse into one entry carrying the GGUF types of its tensors
+    (a Q4_K_M model stores some layers' v and down in Q6_K: one entry, codebooks Q4_K and Q6_K); a role
+    that occurs with several geometries (models with per-layer widths) gets one entry per geometry, named
+    `role:NxK`. token_embd is not a GEMV, except as the lm_head of a tied model without output.weight.
+    Unquantized tensors (F32, F16, BF16, F64) add their geometry untyped. Skipped with a warning that names
+    them: tensors of a quantized type the tool does not understand (Q2_K, IQ2_XXS, ...: never guessed at),
+    and matrices whose K is not a whole number of blocks (32 weights, 256 for super-block types)."""
     path = Path(path)
     reader = open_gguf(path)
 
-    found: dict[str, list[tuple[int, int]]] = {}
+    found: dict[str, dict[tuple[int, int], set[str]]] = {}
     unknown: set[str] = set()
+    unsupported: dict[str, list[str]] = {}  # GGUF type -> tensor names
     bad_k = 0
-    by_name = {t.name: [int(d) for d in t.shape] for t in reader.tensors}
+    by_name = {t.name: ([int(d) for d in t.shape], t.tensor_type.name) for t in reader.tensors}
     if "output.weight" not in by_name and "token_embd.weight" in by_name:
         by_name["output.weight"] = by_name["token_embd.weight"]
-    for name, ne in by_name.items():
+    for name, (ne, gtype) in by_name.items():
         match = _GGUF_BLOCK.fullmatch(name)
         if name == "output.weight":
             role = "lm_head"
@@ -322,20 +357,30 @@ def from_gguf(path: StrPath) -> Inventory:
             continue
         if len(ne) != (3 if role.startswith("expert_") else 2):
             continue
+        if gtype not in FORMATS and gtype not in _FLOAT_TYPES:
+            unsupported.setdefault(gtype, []).append(name)
+            continue
+        typed = gtype in FORMATS
         k, n = ne[0], ne[1]
-        if k % BLOCK:
+        if k % (get(gtype, runnable=False).weights if typed else BLOCK):
             bad_k += 1
             continue
-        if (n, k) not in found.setdefault(role, []):
-            found[role].append((n, k))
-    if bad_k:
-        warnings.warn(f"{path}: skipped {bad_k} tensor(s) whose K is not a multiple of {BLOCK}",
+        found.setdefault(role, {}).setdefault((n, k), set()).update([gtype] if typed else [])
+    skipped = "; ".join(f"{gtype} ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
+                        for gtype, names in sorted(unsupported.items()))
+    if skipped:
+        count = sum(map(len, unsupported.values()))
+        warnings.warn(f"{path}: skipped {count} tensor(s) of a type the tool does not run: {skipped}",
                       stacklevel=2)
+    if bad_k:
+        warnings.warn(f"{path}: skipped {bad_k} tensor(s) whose K is not a whole number of blocks "
+                      f"({BLOCK} weights, 256 for super-block types)", stacklevel=2)
     if unknown:
         warnings.warn(f"{path}: ignored weight tensors of unknown role: {', '.join(sorted(unknown))}",
                       stacklevel=2)
     if not found:
-        raise InputError(f"{path}: no GEMV weight tensors (blk.N.attn_q.weight, ...) found")
+        also = f" of a type the tool runs (skipped: {skipped})" if skipped else ""
+        raise InputError(f"{path}: no GEMV weight tensors (blk.N.attn_q.weight, ...){also} found")
 
     name_field = reader.get_field("general.name")
     arch_field = reader.get_field("general.architecture")
@@ -343,8 +388,8 @@ def from_gguf(path: StrPath) -> Inventory:
     name = name or _slug(path.stem) or path.stem
     family = (_slug(str(arch_field.contents())) if arch_field is not None else "") or "gguf"
     shapes = tuple(
-        Shape(n, k, role if len(geoms) == 1 else f"{role}:{n}x{k}", name, family)
+        Shape(n, k, role if len(geoms) == 1 else f"{role}:{n}x{k}", name, family, tuple(sorted(types)))
         for role, geoms in found.items()
-        for n, k in geoms
+        for (n, k), types in geoms.items()
     )
     return Inventory(name, family, f"gguf:{path.name}", shapes)

@@ -85,13 +85,21 @@ def identity(kb: int, ksplit: int) -> int:
 
 
 def block_terms(fields: BlockFields, qa: QuantizedActivations, b0: int, b1: int) -> np.ndarray:
-    """t_b for blocks [b0, b1): float32 [b1-b0, M, N], each term computed exactly as the contract orders it."""
-    codes = fields.codes[:, b0:b1].astype(np.float32).transpose(1, 2, 0)  # [B, 32, N]
+    """t_b for blocks [b0, b1): float32 [b1-b0, M, N], each term computed exactly as the contract orders it.
+
+    A block with one scale per 16-weight half (Q6_K) sums its two products, low half first (§2)."""
+    codes, scales = fields.by_scale()
     q = qa.q[:, b0:b1].astype(np.float32).transpose(1, 0, 2)  # [B, M, 32]
-    s = np.matmul(q, codes)  # exact integers, see module docstring
     d_a = qa.d[:, b0:b1].T[:, :, None]  # [B, M, 1]
-    d_w = fields.scale[:, b0:b1].T[:, None, :]  # [B, 1, N]
-    t = (d_a * d_w) * s
+    width = codes.shape[3]
+    t = None
+    for h in range(codes.shape[2]):
+        c = codes[:, b0:b1, h].astype(np.float32).transpose(1, 2, 0)  # [B, width, N]
+        s = np.matmul(q[:, :, h * width : (h + 1) * width], c)  # exact integers, see module docstring
+        d_w = scales[:, b0:b1, h].T[:, None, :]  # [B, 1, N]
+        term = (d_a * d_w) * s
+        t = term if t is None else t + term
+    assert t is not None
     if fields.min is not None:
         m_w = fields.min[:, b0:b1].T[:, None, :]
         sum_a = qa.sum[:, b0:b1].T[:, :, None].astype(np.float32)
@@ -112,9 +120,9 @@ def gemv_quantized(packed: PackedWeights, qa: QuantizedActivations, ksplit: int)
 
 
 def _gemv(fields: BlockFields, qa: QuantizedActivations, ksplit: int) -> np.ndarray:
-    kb = fields.scale.shape[1]
+    n, kb, _ = fields.codes.shape
     width = partition_width(kb, ksplit)
-    y = np.zeros((qa.m, fields.scale.shape[0]), dtype=np.float32)
+    y = np.zeros((qa.m, n), dtype=np.float32)
     with np.errstate(over="ignore", invalid="ignore"):  # overflow to ±inf is part of the contract
         _accumulate(fields, qa, kb, width, y)
     y[np.isnan(y)] = CANONICAL_NAN
@@ -158,8 +166,9 @@ def error_bound(packed: PackedWeights, x: np.ndarray, ksplit: int = 1) -> np.nda
     |error| ≤ γ_n · Σ_b |exact t_b| with n = KB + S + 5 and γ_n = n·u/(1 − n·u), u = 2^-24; plus u·|W|·|d_a q|
     for the reference's own rounding of asymmetric weights (fp32 d·c + m); (3) underflow: a rounding in
     the subnormal range errs by up to η = 2^-150 absolutely, amplified by at most |s| (or |sum_a|) in the
-    same term, so each term adds η·(2|s| + 2|sum_a| + 8) and each accumulation η. Where the result is not
-    finite (an intermediate overflowed) the bound is inf.
+    same term, so each term adds η·(2|s| + 2|sum_a| + 8) and each accumulation η. A Q6_K term (two halves)
+    also takes ≤ 5 roundings, with |s_lo| + |s_hi| for |s|. Where the result is not finite (an intermediate
+    overflowed) the bound is inf.
     """
     qa = quantize_activations(x, packed.k)
     f = _fields(packed)
@@ -172,8 +181,11 @@ def error_bound(packed: PackedWeights, x: np.ndarray, ksplit: int = 1) -> np.nda
     eps_act = np.where(normal, d * (0.5 + 2.0**-17), np.maximum(amax, d * (0.5 + 2.0**-17)))  # [M, KB]
     act = eps_act @ w_abs.reshape(packed.n, kb, BLOCK).sum(axis=2).T
 
-    s = np.einsum("mbj,nbj->mnb", qa.q.astype(np.float64), f.codes.astype(np.float64))
-    exact_t = np.abs(d[:, None, :] * f.scale.astype(np.float64)[None] * s)
+    codes, scales = f.by_scale()
+    halves = qa.q.astype(np.float64).reshape(m, kb, *codes.shape[2:])
+    s = np.einsum("mbhj,nbhj->mnbh", halves, codes.astype(np.float64))
+    exact_t = np.abs(d[:, None, :, None] * scales.astype(np.float64)[None] * s).sum(axis=3)
+    abs_s = np.abs(s).sum(axis=3)  # Σ_h |s_h| over the halves of a Q6_K block
     if f.min is not None:
         exact_t += np.abs(d[:, None, :] * f.min.astype(np.float64)[None] * qa.sum[:, None, :])
     n_ops = kb + effective_split(kb, ksplit) + 5
@@ -182,7 +194,7 @@ def error_bound(packed: PackedWeights, x: np.ndarray, ksplit: int = 1) -> np.nda
     dq = (d[:, :, None] * np.abs(qa.q)).reshape(m, packed.k)
     weight_rounding = u * (dq @ w_abs.T) if f.min is not None else 0.0
     eta = 2.0**-150
-    underflow = eta * (2 * np.abs(s) + 2 * np.abs(qa.sum.astype(np.float64))[:, None, :] + 8).sum(axis=2)
+    underflow = eta * (2 * abs_s + 2 * np.abs(qa.sum.astype(np.float64))[:, None, :] + 8).sum(axis=2)
     underflow += eta * n_ops
     bound = act + gamma * exact_t.sum(axis=2) + weight_rounding + underflow
     finite = np.isfinite(_gemv(f, qa, ksplit))

@@ -14,6 +14,7 @@ same for every codebook and split; the worst element's error is 5.9-6.1% of erro
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import struct
@@ -32,6 +33,10 @@ from hypothesis.extra import numpy as hnp
 F = np.float32
 ALL = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL")
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34, "IQ4_NL": 18}
+# Super-block formats (256 weights, 8 blocks of 32): bytes per super-block and byte offsets of d (and dmin).
+SUPER = ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS")
+SUPER_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "IQ4_XS": 136}
+SUPER_SCALES = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_XS": (0,)}
 IQ4_NL_TABLE = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 TINY = F(2.0**-149)  # smallest positive subnormal
 CANONICAL_NAN = np.uint32(0x7FFFFFFF).view(np.float32)  # the NaN every PTX float operation produces
@@ -53,15 +58,18 @@ def test_bit_comparison_tells_signed_zeros_and_nan_payloads_apart():
 # The scalar reference
 
 
-def decode_block(codebook: str, raw: bytes) -> tuple[list[int], np.float32, np.float32 | None]:
-    """One GGUF block -> (32 integer codes, d_w, m_w or None), straight from the file format."""
+Block = tuple[list[int], tuple[np.float32, ...], np.float32 | None]  # codes, d_w per 32 or 16 codes, m_w
+
+
+def decode_block(codebook: str, raw: bytes) -> Block:
+    """One GGUF block -> (32 integer codes, (d_w,), m_w or None), straight from the file format."""
     d = F(struct.unpack_from("<e", raw, 0)[0])
     off, m = 2, None
     if codebook in ("Q4_1", "Q5_1"):
         m = F(struct.unpack_from("<e", raw, 2)[0])
         off = 4
     if codebook == "Q8_0":
-        return list(struct.unpack_from("<32b", raw, off)), d, m
+        return list(struct.unpack_from("<32b", raw, off)), (d,), m
     qh = 0
     if codebook in ("Q5_0", "Q5_1"):
         qh = struct.unpack_from("<I", raw, off)[0]
@@ -77,7 +85,57 @@ def decode_block(codebook: str, raw: bytes) -> tuple[list[int], np.float32, np.f
         codes = [IQ4_NL_TABLE[v] for v in nib]
     else:  # Q4_1, Q5_1: unsigned codes plus the min
         codes = nib
-    return codes, d, m
+    return codes, (d,), m
+
+
+def decode_superblock(codebook: str, raw: bytes) -> list[Block]:
+    """One GGUF super-block -> its eight 32-blocks, written after llama.cpp's dequantize_row_* (C loops):
+    d_w = d*sc (Q6_K: one per 16 codes), m_w = -(dmin*m), each one fp32 product."""
+    if codebook == "IQ4_XS":
+        d, scales_h = struct.unpack_from("<eH", raw, 0)
+        out = []
+        for ib in range(8):
+            ls = ((raw[4 + ib // 2] >> 4 * (ib % 2)) & 0xF) | (((scales_h >> 2 * ib) & 3) << 4)
+            qs = raw[8 + 16 * ib : 24 + 16 * ib]
+            codes = [IQ4_NL_TABLE[b & 0xF] for b in qs] + [IQ4_NL_TABLE[b >> 4] for b in qs]
+            out.append((codes, (F(d) * F(ls - 32),), None))
+        return out
+    if codebook == "Q6_K":
+        (d,) = struct.unpack_from("<e", raw, 208)
+        sc = struct.unpack_from("<16b", raw, 192)
+        codes = [[0] * 32 for _ in range(8)]
+        for h in range(2):
+            ql, qh = raw[64 * h : 64 * h + 64], raw[128 + 32 * h : 160 + 32 * h]
+            for e in range(32):
+                codes[4 * h + 0][e] = ((ql[e] & 0xF) | (((qh[e] >> 0) & 3) << 4)) - 32
+                codes[4 * h + 1][e] = ((ql[e + 32] & 0xF) | (((qh[e] >> 2) & 3) << 4)) - 32
+                codes[4 * h + 2][e] = ((ql[e] >> 4) | (((qh[e] >> 4) & 3) << 4)) - 32
+                codes[4 * h + 3][e] = ((ql[e + 32] >> 4) | (((qh[e] >> 6) & 3) << 4)) - 32
+        return [(codes[b], (F(d) * F(sc[2 * b]), F(d) * F(sc[2 * b + 1])), None) for b in range(8)]
+    d, dmin = struct.unpack_from("<2e", raw, 0)
+    sc = raw[4:16]
+    qh = raw[16:48] if codebook == "Q5_K" else bytes(32)
+    qs = raw[48:176] if codebook == "Q5_K" else raw[16:144]
+    out = []
+    for j in range(8):  # get_scale_min_k4
+        if j < 4:
+            scale, m = sc[j] & 63, sc[j + 4] & 63
+        else:
+            scale, m = (sc[j + 4] & 0xF) | ((sc[j - 4] >> 6) << 4), (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4)
+        run = qs[32 * (j // 2) : 32 * (j // 2) + 32]
+        codes = [((b >> 4 * (j % 2)) & 0xF) | (((qh[e] >> j) & 1) << 4) for e, b in enumerate(run)]
+        out.append((codes, (F(d) * F(scale),), -(F(dmin) * F(m))))
+    return out
+
+
+def decode_row(codebook: str, row: np.ndarray) -> list[Block]:
+    """One row of GGUF bytes -> its 32-blocks."""
+    if codebook in SUPER:
+        size = SUPER_BYTES[codebook]
+        raw = row.tobytes()
+        return [blk for i in range(0, len(raw), size) for blk in decode_superblock(codebook, raw[i : i + size])]
+    bb = BLOCK_BYTES[codebook]
+    return [decode_block(codebook, row[i : i + bb].tobytes()) for i in range(0, len(row), bb)]
 
 
 def scalar_quantize_block(a: list[np.float32]) -> tuple[list[int], np.float32, int]:
@@ -109,24 +167,25 @@ def scalar_gemv(codebook: str, blocks: np.ndarray, x: np.ndarray, ksplit: int) -
     n = blocks.shape[0]
     m, k = x.shape
     kb = k // 32
-    bb = BLOCK_BYTES[codebook]
-    weights = [
-        [decode_block(codebook, blocks[row, b * bb : (b + 1) * bb].tobytes()) for b in range(kb)]
-        for row in range(n)
-    ]
     acts = scalar_quantize(x)
     w = -(-kb // ksplit)  # partition width
     s_eff = -(-kb // w)  # effective split
     y = np.empty((m, n), dtype=np.float32)
     with np.errstate(all="ignore"):
+        weights = [decode_row(codebook, blocks[row]) for row in range(n)]
         for r in range(m):
             for row in range(n):
                 t = []
                 for b in range(kb):
-                    codes, d_w, m_w = weights[row][b]
+                    codes, scales, m_w = weights[row][b]
                     q, d_a, sum_a = acts[r][b]
-                    s = sum(c * qq for c, qq in zip(codes, q, strict=True))
-                    tb = (d_a * d_w) * F(s)
+                    width = 32 // len(scales)  # Q6_K: a scale per half, the low half's product first
+                    tb = None
+                    for h, d_w in enumerate(scales):
+                        part = slice(h * width, (h + 1) * width)
+                        s = sum(c * qq for c, qq in zip(codes[part], q[part], strict=True))
+                        th = (d_a * d_w) * F(s)
+                        tb = th if tb is None else tb + th
                     if m_w is not None:
                         tb = tb + (d_a * m_w) * F(sum_a)
                     t.append(tb)
@@ -154,11 +213,49 @@ def finite_scale_bits(rng: np.random.Generator, shape) -> np.ndarray:
     return bits
 
 
+# fp16 scales of super-block formats: ±0, subnormals (smallest, largest), smallest normal, ±the fp16 maximum.
+SPECIAL_FP16 = (0x0000, 0x8000, 0x0001, 0x8001, 0x03FF, 0x0400, 0x3C00, 0x7BFF, 0xFBFF)
+CORRUPT_FP16 = (0x7C00, 0xFC00, 0x7E00, 0xFE01)  # ±inf, NaNs
+
+
+def zero_subscale(codebook: str, sb: np.ndarray, j: int) -> None:
+    """Set the scale of 32-block j (Q6_K: 16-weight half j) of one super-block (bytes, in place) to 0."""
+    if codebook == "Q6_K":
+        sb[192 + j] = 0
+    elif codebook == "IQ4_XS":  # ls = 32: low nibble 0, high bits 2
+        sb[4 + j // 2] &= 0xF0 if j % 2 == 0 else 0x0F
+        scales_h = (int(sb[2]) | int(sb[3]) << 8) & ~(3 << 2 * j) | (2 << 2 * j)
+        sb[2], sb[3] = scales_h & 0xFF, scales_h >> 8
+    elif j < 4:  # Q4_K, Q5_K (get_scale_min_k4)
+        sb[4 + j] &= 0xC0
+    else:
+        sb[4 + j + 4] &= 0xF0
+        sb[4 + j - 4] &= 0x3F
+
+
 def weights(codebook: str, n: int, kb: int, seed: int, kind: str = "gaussian") -> np.ndarray:
-    """GGUF bytes: `gaussian` = quantize(N(0,1)); `bytes` = random codes with random finite fp16 d (and m)."""
+    """GGUF bytes: `gaussian` = quantize(N(0,1)); `bytes` = random codes with random finite fp16 d (and m).
+    Super-block formats also: `special` = d and dmin from SPECIAL_FP16, some sub-block scales 0, Q6_K halves
+    of opposite signs; `corrupt` = as special, with inf and NaN among the fp16 values."""
     rng = np.random.default_rng(seed)
     if kind == "gaussian":
         return quantize(codebook, rng.standard_normal((n, kb * 32)).astype(np.float32))
+    if codebook in SUPER:
+        size = SUPER_BYTES[codebook]
+        blocks = rng.integers(0, 256, size=(n, kb // 8, size), dtype=np.uint8)
+        pool = SPECIAL_FP16 + (CORRUPT_FP16 if kind == "corrupt" else ())
+        for off in SUPER_SCALES[codebook]:
+            values = finite_scale_bits(rng, (n, kb // 8)) if kind == "bytes" else rng.choice(pool, (n, kb // 8))
+            blocks[:, :, off : off + 2] = values.astype("<u2")[..., None].view(np.uint8).reshape(n, kb // 8, 2)
+        if kind != "bytes":
+            if codebook == "Q6_K":  # halves of opposite signs in about half the blocks
+                sc = blocks[:, :, 192:208].view(np.int8)
+                sc[:] = rng.integers(1, 128, sc.shape) * np.where(rng.random(sc.shape) < 0.5, -1, 1)
+                sc[..., 1::2] = np.where(rng.random(sc[..., 1::2].shape) < 0.5, -sc[..., ::2], sc[..., 1::2])
+            for sb in blocks.reshape(-1, size):
+                for j in rng.choice(16 if codebook == "Q6_K" else 8, 2, replace=False):
+                    zero_subscale(codebook, sb, int(j))
+        return blocks.reshape(n, -1)
     bb = BLOCK_BYTES[codebook]
     blocks = rng.integers(0, 256, size=(n, kb, bb), dtype=np.uint8)
     n_halves = 2 if codebook in ("Q4_1", "Q5_1") else 1
@@ -195,22 +292,22 @@ def activations(draw, m: int, kb: int) -> np.ndarray:
 # The scalar reference is itself anchored to the GGUF format
 
 
-@pytest.mark.parametrize("codebook", ALL)
-def test_scalar_decoder_matches_gguf_dequantize(codebook):
+@pytest.mark.parametrize(("codebook", "kind"), [(c, "bytes") for c in ALL + SUPER] + [(c, "special") for c in SUPER])
+def test_scalar_decoder_matches_gguf_dequantize(codebook, kind):
     import gguf
 
-    blocks = weights(codebook, 7, 5, seed=1, kind="bytes")
-    ours = np.empty((7, 160), dtype=np.float32)
-    bb = BLOCK_BYTES[codebook]
+    kb = 16
+    blocks = weights(codebook, 7, kb, seed=1, kind=kind)
+    ours = np.empty((7, kb * 32), dtype=np.float32)
     with np.errstate(all="ignore"):
         for row in range(7):
-            for b in range(5):
-                codes, d, m = decode_block(codebook, blocks[row, b * bb : (b + 1) * bb].tobytes())
+            for b, (codes, scales, m) in enumerate(decode_row(codebook, blocks[row])):
                 for j, c in enumerate(codes):
-                    v = d * F(c)
+                    v = scales[j * len(scales) // 32] * F(c)
+                    # K-quants subtract dmin*m (m_w = -(dmin*m)): the same value, and the same bits, when finite
                     ours[row, b * 32 + j] = v if m is None else v + m
     theirs = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[codebook]).astype(np.float32)
-    assert_same_bits(ours, theirs.reshape(7, 160))
+    assert_same_bits(ours, theirs.reshape(7, kb * 32))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -710,3 +807,92 @@ def test_error_bound_covers_overflow():
     # No finite bound exists for an overflowed output: the bound says so with inf, and bounds the rest.
     assert np.array_equal(np.isinf(bound), ~np.isfinite(y))
     assert (err[np.isfinite(y)] <= bound[np.isfinite(y)]).all()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Super-block formats (docs/contract.md §2): per-block scale and min derived from the super-block fields,
+# then §1 unchanged; a Q6_K block sums two half products.
+
+
+def packed_super(codebook: str, n: int, sb: int, seed: int, kind: str):
+    blocks = weights(codebook, n, 8 * sb, seed, kind)
+    return blocks, pack(codebook, blocks, n, sb * 256)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=SLOW_OK)
+@given(data=st.data())
+def test_superblock_gemv_matches_scalar_reference(data):
+    codebook = data.draw(st.sampled_from(SUPER), label="codebook")
+    m = data.draw(st.integers(1, 3), label="M")
+    n = data.draw(st.integers(1, 4), label="N")
+    sb = data.draw(st.integers(1, 2), label="super-blocks")
+    ksplit = data.draw(st.integers(1, 20), label="ksplit")
+    kind = data.draw(st.sampled_from(["gaussian", "bytes", "special"]), label="weights")
+    blocks, packed = packed_super(codebook, n, sb, data.draw(st.integers(0, 2**32 - 1)), kind)
+    x = data.draw(activations(m, 8 * sb), label="x")
+    with np.errstate(all="ignore"):
+        assert_same_bits(emulate.gemv(packed, x, ksplit), scalar_gemv(codebook, blocks, x, ksplit))
+
+
+@pytest.mark.parametrize("codebook", SUPER)
+@pytest.mark.parametrize("kind", ["special", "corrupt"])
+def test_superblock_special_and_corrupted_scales_follow_the_contract(codebook, kind):
+    """Zero, subnormal, ±0 and maximal fp16 d and dmin, sub-blocks of scale 0, Q6_K halves of opposite signs;
+    `corrupt` adds inf and NaN: those are not refused, they propagate through the IEEE operations of §1-2,
+    and every NaN result is the canonical 0x7FFFFFFF, as on the GPU."""
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    print(f"seed {seed}")
+    blocks, packed = packed_super(codebook, 6, 2, seed, kind)
+    x = gaussian_x(3, 16, seed=seed + 1)
+    x[1] *= F(1e-38)  # subnormal activations meet subnormal scales
+    x[2, :40] = -0.0
+    with np.errstate(all="ignore"):
+        for ksplit in (1, 3, 16):
+            y = emulate.gemv(packed, x, ksplit)
+            assert_same_bits(y, scalar_gemv(codebook, blocks, x, ksplit))
+    if kind == "corrupt":
+        assert np.isnan(y).any() and (bits(y)[np.isnan(y)] == 0x7FFFFFFF).all()
+
+
+@pytest.mark.parametrize("codebook", SUPER)
+def test_superblock_wrong_element_order_is_detected(codebook):
+    """Negative control: planes whose 32-block runs are swapped (a kernel reading the wrong run) give other
+    bytes than the scalar reference on random data."""
+    blocks, packed = packed_super(codebook, 8, 1, seed=3, kind="bytes")
+    x = gaussian_x(2, 8, seed=4)
+    want = scalar_gemv(codebook, blocks, x, 1)
+    assert_same_bits(emulate.gemv(packed, x), want)
+    swapped = dataclasses.replace(packed, payload=np.ascontiguousarray(packed.payload[[1, 0, 2, 3, 4, 5, 6, 7]]))
+    with pytest.raises(AssertionError, match="differ"):
+        assert_same_bits(emulate.gemv(swapped, x), want)
+
+
+@pytest.mark.parametrize("codebook", SUPER)
+def test_superblock_split_identity_and_row_independence(codebook):
+    kb = 24
+    _, packed = packed_super(codebook, 16, 3, seed=5, kind="gaussian")
+    x = gaussian_x(5, kb, seed=6)
+    results = {}
+    for ksplit in range(1, kb + 1):
+        y = emulate.gemv(packed, x, ksplit)
+        s = emulate.identity(kb, ksplit)
+        if s in results:
+            assert_same_bits(y, results[s])  # same identity, same bytes
+        results[s] = y
+        perm = np.array([3, 0, 4, 1, 2])
+        assert_same_bits(emulate.gemv(packed, x[perm], ksplit), y[perm])
+        assert_same_bits(emulate.gemv(packed, x[2:3], ksplit), y[2:3])
+    differ = [int((bits(results[a]) != bits(results[b])).sum()) for a, b in itertools.combinations(results, 2)]
+    assert min(differ) > 0  # distinct identities give distinct bytes here: the comparison can fail
+
+
+@pytest.mark.parametrize("codebook", SUPER)
+def test_superblock_error_bound_holds(codebook):
+    _, packed = packed_super(codebook, 32, 2, seed=7, kind="gaussian")
+    x = gaussian_x(3, 16, seed=8)
+    for ksplit in (1, 4, 16):
+        worst, rel = check_bound(packed, x, ksplit)
+        assert worst >= 0.01 and 1e-3 < rel < 2e-2, (worst, rel)
+    _, packed = packed_super(codebook, 8, 1, seed=9, kind="special")  # subnormal and huge scales
+    with np.errstate(all="ignore"):
+        check_bound(packed, gaussian_x(2, 8, seed=10, scale=1e-3), 2)

@@ -204,3 +204,101 @@ def test_bad_input_raises_input_error(args, match):
     with pytest.raises(InputError, match=match) as info:
         pack(*args)
     assert "\n" not in str(info.value)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Super-block formats: codes (qs, qh) split into one run per 32-block, [KB][N][...]; scale fields compact,
+# one row per super-block, [KB/8][N][...]. Layouts from llama.cpp's ggml-common.h: (offset, bytes) per field.
+
+SUPER = {
+    "Q4_K": dict(block=144, d=(0, 2), m=(2, 2), sc=(4, 12), qh=None, qs=(16, 128)),
+    "Q5_K": dict(block=176, d=(0, 2), m=(2, 2), sc=(4, 12), qh=(16, 32), qs=(48, 128)),
+    "Q6_K": dict(block=210, d=(208, 2), m=None, sc=(192, 16), qh=(128, 64), qs=(0, 128)),
+    "IQ4_XS": dict(block=136, d=(0, 2), m=None, sc=(2, 6), qh=None, qs=(8, 128)),
+}
+
+
+def super_bytes(codebook: str, n: int, sb: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 256, size=(n, sb * SUPER[codebook]["block"]), dtype=np.uint8)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(codebook=st.sampled_from(sorted(SUPER)), n=st.integers(1, 24), sb=st.integers(1, 3), data=st.data())
+def test_superblock_unpack_pack_is_identity(codebook, n, sb, data):
+    size = n * sb * SUPER[codebook]["block"]
+    raw = data.draw(st.one_of(st.binary(min_size=size, max_size=size), st.just(None)))
+    if raw is None:
+        blocks = super_bytes(codebook, n, sb, data.draw(st.integers(0, 2**32 - 1)))
+    else:
+        blocks = np.frombuffer(raw, dtype=np.uint8).reshape(n, -1).copy()
+    before = blocks.copy()
+    out = unpack(pack(codebook, blocks, n, sb * 256))
+    assert out.dtype == np.uint8 and out.tobytes() == before.tobytes() == blocks.tobytes()
+
+
+@pytest.mark.parametrize("codebook", sorted(SUPER))
+@pytest.mark.parametrize(("n", "sb"), [(1, 1), (3, 2), (33, 1)])
+def test_superblock_planes_hold_the_gguf_fields(codebook, n, sb):
+    lay = SUPER[codebook]
+    blocks = super_bytes(codebook, n, sb, seed=n + 10 * sb)
+    packed = pack(codebook, blocks, n, sb * 256)
+    kb = 8 * sb
+    assert packed.codebook == codebook and packed.execution is None and packed.kb == kb
+    assert packed.payload.dtype == np.uint32 and packed.payload.shape == (kb, n, 4)
+    assert packed.scale.dtype == np.float16 and packed.scale.shape == (sb, n)  # compact: one per super-block
+    assert packed.sub is not None and packed.sub.dtype == np.uint8 and packed.sub.shape == (sb, n, lay["sc"][1])
+    high_words = None if lay["qh"] is None else lay["qh"][1] // 8 // 4
+    assert (packed.min is None) == (lay["m"] is None) and (packed.high is None) == (high_words is None)
+    if packed.min is not None:
+        assert packed.min.dtype == np.float16 and packed.min.shape == (sb, n)
+    if packed.high is not None:
+        assert packed.high.dtype == np.uint32
+        assert packed.high.shape == ((kb, n) if high_words == 1 else (kb, n, high_words))
+    assert list(packed.planes()) == [p for p in ("payload", "scale", "min", "high", "sub")
+                                     if getattr(packed, p) is not None]
+    assert packed.nbytes == blocks.nbytes
+    assert all(plane.flags.c_contiguous for plane in packed.planes().values())
+
+    def field(row: int, s: int, name: str) -> bytes:
+        at, size = lay[name]
+        start = s * lay["block"] + at
+        return blocks[row, start : start + size].tobytes()
+
+    for row in range(n):
+        for s in range(sb):
+            qs = field(row, s, "qs")
+            for r in range(8):  # run r of the codes is the plane row of 32-block 8s + r
+                assert packed.payload[8 * s + r, row].tobytes() == qs[16 * r : 16 * r + 16]
+                if packed.high is not None:
+                    run = lay["qh"][1] // 8
+                    assert packed.high[8 * s + r, row].tobytes() == field(row, s, "qh")[run * r : run * (r + 1)]
+            assert packed.scale[s, row].tobytes() == field(row, s, "d")
+            assert packed.sub[s, row].tobytes() == field(row, s, "sc")
+            if packed.min is not None:
+                assert packed.min[s, row].tobytes() == field(row, s, "m")
+
+
+def test_superblock_consecutive_outputs_read_consecutive_16_byte_payloads():
+    blocks = super_bytes("Q4_K", 5, 1, seed=3)
+    flat = pack("Q4_K", blocks, 5, 256).payload.reshape(-1).view(np.uint8)
+    for r in range(8):
+        for row in range(5):
+            start = (r * 5 + row) * 16
+            assert flat[start : start + 16].tobytes() == blocks[row, 16 + 16 * r : 32 + 16 * r].tobytes()
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        (("Q4_K", super_bytes("Q4_K", 2, 1, 0), 2, 288), r"K=288 is not a multiple of 256 \(a Q4_K super-block"),
+        (("Q6_K", super_bytes("Q6_K", 2, 1, 0), 2, 32), r"multiple of 256"),
+        (("Q5_K", super_bytes("Q5_K", 2, 1, 0), 2, 512), r"K/256\*176 = 352 for K=512, got 176"),
+        (("IQ4_XS", super_bytes("Q4_K", 2, 1, 0), 2, 256), r"= 136 for K=256, got 144"),  # Q4_K bytes as IQ4_XS
+        (("Q2_K", super_bytes("Q4_K", 2, 1, 0), 2, 256), r"unknown codebook 'Q2_K'"),
+    ],
+)
+def test_superblock_bad_input_raises_input_error(args, match):
+    with pytest.raises(InputError, match=match) as info:
+        pack(*args)
+    assert "\n" not in str(info.value)

@@ -357,3 +357,132 @@ def test_cli_from_gguf_bad_input_is_one_line_error(tmp_path):
 def test_cli_help(command):
     result = run(*command, "--help")
     assert result.exit_code == 0 and "Usage:" in result.stdout
+
+
+# --- GGUF types: mixed-codebook inventories ------------------------------------------------------
+
+# Super-block types need K a multiple of 256.
+T_HIDDEN, T_FF, T_KV, T_VOCAB = 256, 512, 64, 96
+
+
+def write_typed_gguf(path: Path, tensors: dict[str, tuple[tuple[int, ...], str]]) -> Path:
+    """A GGUF file whose tensors have the given numpy shape ((N, K) for a matrix) and GGUF type; formats we
+    quantize hold real blocks."""
+    import gguf
+    from gemv_dispatch.kernels import codebooks
+
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_name("Tiny Mixed")
+    rng = np.random.default_rng(0)
+    for name, (shape, gtype) in tensors.items():
+        qtype = gguf.GGMLQuantizationType[gtype]
+        if gtype in ("F32", "F16"):
+            writer.add_tensor(name, np.zeros(shape, dtype=np.float32 if gtype == "F32" else np.float16))
+        elif gtype in codebooks.FORMATS:
+            w = rng.standard_normal(shape).astype(np.float32)
+            writer.add_tensor(name, codebooks.quantize(gtype, w), raw_dtype=qtype)
+        else:  # a type the tool does not run: zero bytes of the right size
+            block, size = gguf.GGML_QUANT_SIZES[qtype]
+            n, k = shape
+            writer.add_tensor(name, np.zeros((n, k // block * size), np.uint8), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def q4_k_m_model(**extra: tuple[tuple[int, ...], str]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Two layers as llama.cpp's Q4_K_M mix stores them: Q4_K, with v and down of some layers in Q6_K."""
+    tensors = {"token_embd.weight": ((T_VOCAB, T_HIDDEN), "Q4_K")}
+    for layer, wide in ((0, "Q6_K"), (1, "Q4_K")):
+        tensors[f"blk.{layer}.attn_norm.weight"] = ((T_HIDDEN,), "F32")
+        tensors[f"blk.{layer}.attn_q.weight"] = ((T_HIDDEN, T_HIDDEN), "Q4_K")
+        tensors[f"blk.{layer}.attn_v.weight"] = ((T_KV, T_HIDDEN), wide)
+        tensors[f"blk.{layer}.ffn_up.weight"] = ((T_FF, T_HIDDEN), "Q4_K")
+        tensors[f"blk.{layer}.ffn_down.weight"] = ((T_HIDDEN, T_FF), wide)
+    tensors["output.weight"] = ((T_VOCAB, T_HIDDEN), "Q6_K")
+    tensors.update(extra)
+    return tensors
+
+
+def test_from_gguf_keeps_each_tensors_type(tmp_path):
+    model = write_typed_gguf(tmp_path / "mixed.gguf", q4_k_m_model())
+    inv = from_gguf(model)
+    assert [(s.role, s.n, s.k, s.codebooks) for s in inv.shapes] == [
+        ("q", T_HIDDEN, T_HIDDEN, ("Q4_K",)),
+        ("v", T_KV, T_HIDDEN, ("Q4_K", "Q6_K")),  # one entry: the same geometry in two codebooks
+        ("up", T_FF, T_HIDDEN, ("Q4_K",)),
+        ("down", T_HIDDEN, T_FF, ("Q4_K", "Q6_K")),
+        ("lm_head", T_VOCAB, T_HIDDEN, ("Q6_K",)),
+    ]
+    out = write_inventory(inv, tmp_path / "mixed.json")
+    assert load_inventory(out) == inv
+    entries = json.loads(out.read_text())["shapes"]
+    assert entries[1] == {"role": "v", "n": T_KV, "k": T_HIDDEN, "codebooks": ["Q4_K", "Q6_K"]}
+    # The sweep (and tune, which plans through it) accepts the typed inventory; the kernels' codebooks apply.
+    from gemv_dispatch.dispatch import sweep
+    from gemv_dispatch.kernels.codebooks import CODEBOOKS
+
+    plan = sweep.parse_plan("all", "1", "graph", [out])
+    assert plan.codebooks == CODEBOOKS and set(plan.geometries) == set(inv.geometries())
+    with pytest.raises(InputError, match="Q4_K has no GPU kernel yet"):
+        sweep.parse_plan("Q4_K", "1", "graph", [out])
+
+
+def test_from_gguf_skips_types_it_cannot_run_and_keeps_float_tensors_untyped(tmp_path):
+    tensors = q4_k_m_model(**{
+        "blk.0.ffn_gate.weight": ((T_FF, T_HIDDEN), "Q2_K"),
+        "blk.1.ffn_gate.weight": ((T_FF, T_HIDDEN), "IQ2_XXS"),
+        "blk.0.attn_k.weight": ((T_KV, T_HIDDEN), "F16"),  # unquantized: the geometry, untyped
+        "blk.1.attn_output.weight": ((T_HIDDEN, T_HIDDEN), "Q8_0"),
+    })
+    with pytest.warns(UserWarning) as caught:
+        inv = from_gguf(write_typed_gguf(tmp_path / "odd.gguf", tensors))
+    (message,) = [str(w.message) for w in caught]
+    assert "skipped 2 tensor(s) of a type the tool does not run" in message
+    assert "IQ2_XXS (blk.1.ffn_gate.weight); Q2_K (blk.0.ffn_gate.weight)" in message
+    by_role = {s.role: s for s in inv.shapes}
+    assert "gate" not in by_role
+    assert by_role["k"].codebooks == () and by_role["o"].codebooks == ("Q8_0",)
+    assert load_inventory(write_inventory(inv, tmp_path / "odd.json")) == inv
+
+    only_bad = {"blk.0.attn_q.weight": ((T_HIDDEN, T_HIDDEN), "Q3_K"), "blk.0.attn_v.weight": ((64, 256), "TQ1_0")}
+    refused = r"no GEMV weight tensors .* of a type the tool runs \(skipped: Q3_K \(blk\.0\.attn_q\.weight\); TQ1_0"
+    with pytest.warns(UserWarning, match="Q3_K"), pytest.raises(InputError, match=refused):
+        from_gguf(write_typed_gguf(tmp_path / "bad.gguf", only_bad))
+
+
+@pytest.mark.parametrize(
+    ("codebooks", "k", "message"),
+    [
+        ("Q4_K", 256, "'codebooks' must be a non-empty list of codebook names, got 'Q4_K'"),
+        ([], 256, "'codebooks' must be a non-empty list"),
+        (["Q4_K", 4], 256, "'codebooks' must be a non-empty list"),
+        (["Q2_K"], 256, "unknown codebook 'Q2_K'"),
+        (["Q4_K", "q4_k"], 256, "lists a codebook twice"),
+        (["Q4_0", "Q6_K"], 288, "k=288 is not a multiple of 256, the Q6_K super-block"),
+    ],
+)
+def test_malformed_codebooks_are_named(tmp_path, codebooks, k, message):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(with_shape(role="k", n=64, k=k, codebooks=codebooks)))
+    with pytest.raises(InputError) as err:
+        load_inventory(path)
+    assert str(err.value).startswith(f"{path}: shapes[1] (role 'k'): ") and message in str(err.value)
+
+
+def test_codebooks_are_canonical_and_old_files_unchanged(tmp_path):
+    path = tmp_path / "typed.json"
+    path.write_text(json.dumps(with_shape(role="k", n=64, k=512, codebooks=["q6_k", "IQ4_XS", "Q4_0"])))
+    inv = load_inventory(path)
+    assert inv.shapes[1].codebooks == ("IQ4_XS", "Q4_0", "Q6_K") and inv.shapes[0].codebooks == ()
+    assert "codebooks" not in inv.to_dict()["shapes"][0]  # untyped shapes keep the old form
+
+
+def test_cli_from_gguf_prints_codebooks(tmp_path):
+    model = write_typed_gguf(tmp_path / "mixed.gguf", q4_k_m_model())
+    result = run("from-gguf", str(model))
+    assert result.exit_code == 0, result.output
+    rows = [line.split() for line in result.stdout.splitlines()]
+    assert ["v", f"n={T_KV}", f"k={T_HIDDEN}", "Q4_K,Q6_K"] in rows
