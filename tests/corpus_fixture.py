@@ -11,9 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+from click.testing import CliRunner
 from gemv_dispatch.dispatch import __version__, corpus
+from gemv_dispatch.dispatch.cli import main
 from gemv_dispatch.dispatch.corpus import Cell, Provenance, Record, gpu_slug, timing_parameters
 from gemv_dispatch.dispatch.shapes import Inventory, Shape, write_inventory
 from gemv_dispatch.dispatch.timing import Stats, TimingConfig, cell_seed
@@ -84,3 +87,17 @@ def write_shapes(path: Path, geometries: Iterable[tuple[int, int]] = GEOMETRIES)
     """An inventory file holding `geometries`, for `sweep --shapes`."""
     shapes = tuple(Shape(n, k, f"g{i}", "fixture", "fixture") for i, (n, k) in enumerate(geometries))
     return write_inventory(Inventory("fixture", "fixture", "tests/corpus_fixture.py", shapes), path)
+
+
+# The replay sweep through the CLI (tests of the sweep and of the fleet): the plan every replay times.
+SLUG = gpu_slug(FAKE_GPU)
+PLAN_ARGS = ["--codebooks", "Q4_0,Q8_0", "--m", "1,4", "--modes", "graph,eager"]
+
+
+def sweep_args(source: Path, shapes: Path, root: Path, *extra: str) -> list[str]:
+    return ["sweep", "--replay", str(source), "--shapes", str(shapes), "--corpus-root", str(root),
+            *PLAN_ARGS, *extra]
+
+
+def invoke(*args: str) -> Any:
+    return CliRunner().invoke(main, list(args))

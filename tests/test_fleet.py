@@ -13,14 +13,13 @@ import signal
 import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-from corpus_fixture import FAKE_GPU, build_corpus, cells, fake_provenance, tree, write_shapes
+from corpus_fixture import FAKE_GPU, SLUG, build_corpus, cells, fake_provenance, invoke, sweep_args, tree
 from gemv_dispatch.dispatch.corpus import gpu_slug, load
 from gemv_dispatch.dispatch.fleet import ReplaySpec, run_fleet
 from gemv_dispatch.dispatch.sweep import ReplayTimer, parse_plan, run_sweep
-from test_sweep import SLUG, cli, invoke, shard_files, sweep_args
+from test_sweep import cli, shard_files
 
 
 @pytest.fixture(scope="module")
@@ -33,24 +32,6 @@ def cluster() -> Iterator[str]:
     ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, logging_level="WARNING", object_store_memory=100 << 20)
     yield ray.get_runtime_context().gcs_address
     ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def source(tmp_path_factory) -> Path:
-    return build_corpus(tmp_path_factory.mktemp("source"))
-
-
-@pytest.fixture(scope="module")
-def shapes(tmp_path_factory) -> Path:
-    return write_shapes(tmp_path_factory.mktemp("shapes") / "fixture.json")
-
-
-@pytest.fixture(scope="module")
-def clean_sweep(source, shapes, tmp_path_factory) -> dict[str, bytes]:
-    """The corpus files of a one-process replay sweep: what a fleet must write too."""
-    root = tmp_path_factory.mktemp("clean")
-    assert invoke(*sweep_args(source, shapes, root)).exit_code == 0
-    return tree(root / SLUG)
 
 
 def test_a_fleet_replay_equals_the_one_process_sweep(cluster, source, shapes, clean_sweep, tmp_path):

@@ -16,18 +16,20 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 from corpus_fixture import (
-    FAKE_GPU,
     GEOMETRIES,
+    SLUG,
     build_corpus,
     cells,
     fake_provenance,
     fake_records,
+    invoke,
+    sweep_args,
     tree,
     write_shapes,
 )
 from gemv_dispatch.dispatch import corpus, gpulock
 from gemv_dispatch.dispatch.cli import main
-from gemv_dispatch.dispatch.corpus import MANIFEST, SHARDS, Cell, compact, gpu_slug, load, write_shard
+from gemv_dispatch.dispatch.corpus import MANIFEST, SHARDS, Cell, compact, load, write_shard
 from gemv_dispatch.dispatch.sweep import (
     GpuTimer,
     Progress,
@@ -43,37 +45,6 @@ from gemv_dispatch.kernels.codebooks import CODEBOOKS
 from gemv_dispatch.kernels.errors import EnvironmentProblem, InputError
 
 REPO = Path(__file__).resolve().parents[1]
-SLUG = gpu_slug(FAKE_GPU)
-PLAN_ARGS = ["--codebooks", "Q4_0,Q8_0", "--m", "1,4", "--modes", "graph,eager"]
-
-
-@pytest.fixture(scope="module")
-def source(tmp_path_factory) -> Path:
-    """The fixture corpus a replay sweep reads."""
-    return build_corpus(tmp_path_factory.mktemp("source"))
-
-
-@pytest.fixture(scope="module")
-def shapes(tmp_path_factory) -> Path:
-    return write_shapes(tmp_path_factory.mktemp("shapes") / "fixture.json")
-
-
-def sweep_args(source: Path, shapes: Path, root: Path, *extra: str) -> list[str]:
-    return ["sweep", "--replay", str(source), "--shapes", str(shapes), "--corpus-root", str(root),
-            *PLAN_ARGS, *extra]
-
-
-def invoke(*args: str) -> object:
-    return CliRunner().invoke(main, list(args))
-
-
-@pytest.fixture(scope="module")
-def clean_sweep(source, shapes, tmp_path_factory) -> dict[str, bytes]:
-    """The corpus files of one uninterrupted one-process replay sweep: what every other run must equal."""
-    root = tmp_path_factory.mktemp("clean")
-    result = invoke(*sweep_args(source, shapes, root))
-    assert result.exit_code == 0, result.output
-    return tree(root / SLUG)
 
 
 # --- plans --------------------------------------------------------------------------------------------
