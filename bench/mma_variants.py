@@ -1,4 +1,4 @@
-"""Experiments: variants of the tensor-core engine (bench/mma_variants.cu: `staged`, `pipe`) against the
+"""Experiments: variants of the tensor-core engine (bench/mma_variants.cu: `pipe`) against the
 registry's kernels, bytes first, then speed, in one run on a GPU.
 
     python bench/mma_variants.py --out bench/results/mma-variants-h200.json [--seed S]
@@ -32,7 +32,7 @@ from gemv_dispatch.kernels.codebooks import CODEBOOKS
 from gemv_dispatch.kernels.registry import BY_ID, CANDIDATES, Candidate, candidates_for
 
 SOURCE = Path(__file__).with_name("mma_variants.cu")
-VARIANTS = ("staged", "pipe")  # gemv_mma_<variant>, same template parameters as gemv_mma
+VARIANTS = ("pipe",)  # gemv_mma_<variant>, same template parameters as gemv_mma; `staged` (version 7) is in git history
 MMA = [c for c in CANDIDATES if c.mma_tiles]
 BYTE_SHAPES = [(4096, 4096), (1032, 4128), (264, 1024)]
 BYTE_MS = [*range(1, 17), 31]
