@@ -2,7 +2,13 @@
 # One device call on a machine with several GPUs: `sweep --ray` over every GPU of a local Ray, against the
 # same plan's --devices sweep (bench/sweep_on_device.sh). Ray travels as a pruned copy of its wheel in .ray/
 # (ray-min.tar.xz: no Java jars, dashboard build, RLlib, Data, Serve, Train, Tune) and the wheels of the
-# dependencies the device image lacks; carry .ray and .whl.
+# dependencies the device image lacks; carry .ray and .whl. To make .ray/ (here, with network; listed in
+# .git/info/exclude): pip download --no-deps --only-binary=:all: --python-version 3.12 --platform
+# manylinux2014_x86_64 -d /tmp/w ray jsonschema jsonschema-specifications referencing rpds-py; unzip the ray wheel,
+# delete ray/{jars,rllib,data,serve,train,tune,llm} and ray/dashboard/client/build, `tar cJf .ray/ray-min.tar.xz .`
+# inside it; move the four other wheels to .ray/. (.ray/extra/ holds ray/widgets and ray/workflow if they were
+# deleted too: ray imports them at start.) The whole travels under the 64 MiB limit only without the corpus
+# shards: move corpus/*/shards out of the checkout for that call.
 #   bash bench/fleet_on_device.sh [CODEBOOKS] [MS] [MODES] [SECONDS]   -> $OUT/ray.tgz, $OUT/ray.json, $OUT/ray.log
 set -uo pipefail
 source bench/device_env.sh
