@@ -13,7 +13,7 @@
 set -uo pipefail
 source bench/device_env.sh
 mkdir -p /tmp/rs && tar xJf .ray/ray-min.tar.xz -C /tmp/rs \
-    && cp -r .ray/extra/ray/. /tmp/rs/ray/ && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/rs .ray/*.whl \
+    && { [ ! -d .ray/extra ] || cp -r .ray/extra/ray/. /tmp/rs/ray/; } && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/rs .ray/*.whl \
     && export PYTHONPATH=/tmp/rs:${PYTHONPATH:-}
 python3 -c "import ray; print('ray', ray.__version__)" || exit 3
 start=$(date +%s)
