@@ -2,7 +2,7 @@
 
     python bench/compare_corpora.py REFERENCE OTHER [--json OUT]
 
-For every cell both hold (each averaged over its provenances, as `train` does): the per-candidate median
+For every cell both hold (each averaged over its provenances by `train.Measurements`): the per-candidate median
 ratio OTHER / REFERENCE, and the decision test that matters for a dispatch table — the regret in REFERENCE of
 OTHER's fastest candidate (and the converse). A cell agrees when that regret is within the noise band of the
 timing parameters (`noise_rel`, 2 % by default). Prints a summary line per comparison; --json writes it all.
@@ -14,21 +14,17 @@ import argparse
 import json
 import math
 import statistics
+from collections.abc import Mapping
 from pathlib import Path
 
 from gemv_dispatch.dispatch.corpus import load
+from gemv_dispatch.dispatch.train import Measurements
 
 
-def cell_times(folder: Path) -> tuple[dict[tuple, dict[str, float]], float]:
-    """Cell -> candidate -> median µs (geometric mean over provenances), and the corpus noise band."""
-    loaded = load(folder)
-    logs: dict[tuple, dict[str, list[float]]] = {}
-    for r in loaded.records:
-        if math.isfinite(r.median_us):
-            cell = logs.setdefault((r.codebook, r.m, r.n, r.k, r.mode), {})
-            cell.setdefault(r.candidate, []).append(math.log(r.median_us))
-    noise = max(float(p.timing.get("noise_rel", 0.02)) for p in loaded.provenances.values())
-    return {cell: {c: math.exp(statistics.fmean(v)) for c, v in cands.items()} for cell, cands in logs.items()}, noise
+def cell_times(folder: Path) -> tuple[Mapping[tuple, Mapping[str, float]], float]:
+    """Cell -> candidate -> median µs averaged over provenances, and the noise band: as `train` reads a corpus."""
+    measured = Measurements.from_corpus(load(folder))
+    return measured.times, measured.noise_rel
 
 
 def regret(times: dict[str, float], pick: str) -> float:
