@@ -31,11 +31,14 @@ def digest() -> str:
     return h.hexdigest()
 
 
-def explicit_instantiations(kernel_names: list[str]) -> str:
-    """A translation unit that instantiates each template kernel, for building with nvcc."""
-    signature = (
-        "(const u32*, const u32*, const u16*, const u16*, const int*, const float*, const int*,"
-        " int, int, int, int, float*)"
-    )
-    lines = [source()] + [f"template __global__ void {name}{signature};" for name in kernel_names]
-    return "\n".join(lines) + "\n"
+# The parameter types of every GEMV template kernel of the source (payload, high, scale, min, activations q,
+# d_a, sum_a, M, N, KB, partition width, out).
+SIGNATURE = (
+    "(const u32*, const u32*, const u16*, const u16*, const int*, const float*, const int*, int, int, int, int, float*)"
+)
+
+
+def explicit_instantiations(kernel_names: list[str], text: str | None = None, signature: str = SIGNATURE) -> str:
+    """A translation unit that instantiates each template kernel of `text` (the source), for building with nvcc."""
+    body = source() if text is None else text
+    return "\n".join([body, *(f"template __global__ void {name}{signature};" for name in kernel_names)]) + "\n"

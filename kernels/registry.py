@@ -121,7 +121,10 @@ class Candidate:
 
     def kernel_name(self, codebook: str, m: int) -> str:
         """The template instantiation (NVRTC name expression) this candidate launches for M rows."""
-        cb = CODEBOOK_IDS[get(codebook).name]
+        return self.template_name(CODEBOOK_IDS[get(codebook).name], m)
+
+    def template_name(self, cb: int, m: int) -> str:
+        """The instantiation for value `cb` of the kernel source's `Codebook` enum and M rows."""
         split = "true" if self.grid_split else "false"
         if self.mma_tiles:
             return f"gemv_mma<{cb}, {self.mma_tiles}, {mma_row_tiles(m)}, {split}>"
