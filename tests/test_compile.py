@@ -3,20 +3,20 @@
 import os
 import shutil
 
+import hostsim
 import pytest
 from gemv_dispatch.kernels import program
-from gemv_dispatch.kernels.ptxas import compile_report, parse_report, source_name
-from gemv_dispatch.kernels.registry import instantiations
+from gemv_dispatch.kernels.codebooks import FORMATS
+from gemv_dispatch.kernels.ptxas import compile_report, compile_unit, parse_report, source_name
+from gemv_dispatch.kernels.registry import CANDIDATES, MMA_ROWS, instantiations
 
 needs_nvcc = pytest.mark.skipif(
     shutil.which("nvcc") is None and not os.environ.get("CI"), reason="nvcc is not on PATH (CI requires it)"
 )
 
 
-@needs_nvcc
-def test_every_instantiation_compiles_spill_free_for_sm90():
-    names = sorted({name for _, name in instantiations()})
-    build = compile_report(names, "sm_90")
+def assert_clean_build(build, names: list[str]) -> None:
+    """Every kernel built, none with a stack frame or spills, within the register cap, no flushing float op."""
     report = build.resources
     by_name = {r.name: r for r in report}
     assert set(names) | set(program.HELPER_KERNELS) == set(by_name), "ptxas reported other kernels than built"
@@ -30,6 +30,21 @@ def test_every_instantiation_compiles_spill_free_for_sm90():
     assert build.ptx.count(".entry") == len(report)
     flushing = sorted({line.split()[0] for line in build.ptx.splitlines() if ".ftz" in line})
     assert not flushing, f"flush-to-zero instructions in the PTX: {flushing}"
+
+
+@needs_nvcc
+def test_every_instantiation_compiles_spill_free_for_sm90():
+    names = sorted({name for _, name in instantiations()})
+    assert_clean_build(compile_report(names, "sm_90"), names)
+
+
+@needs_nvcc
+def test_staged_source_compiles_spill_free_for_sm90():
+    """The staged next kernel source (bench/next), every codebook including the super-block ones."""
+    names = sorted({c.template_name(hostsim.codebook_index(cb), m)
+                    for cb in FORMATS for c in CANDIDATES for m in range(1, 2 * MMA_ROWS + 1)})
+    text = program.explicit_instantiations(names, hostsim.STAGED_SOURCE.read_text(), hostsim.STAGED_SIGNATURE)
+    assert_clean_build(compile_unit(text, "sm_90"), names)
 
 
 def test_report_parser_flags_spills():

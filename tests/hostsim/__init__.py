@@ -1,0 +1,116 @@
+"""The GEMV kernels on the CPU: a kernel source built with g++ against cuda_host.h (-DGEMV_HOSTSIM), launched
+by template name through ctypes with numpy planes and activations, in the layouts the GPU reads.
+
+A test oracle, not a device: it runs the kernels' own decode, index and accumulation code with one host thread
+per CUDA thread, so a layout or arithmetic mistake shows up on a machine without a GPU. Timing, caches and the
+PTX assembler's choices are the GPU's to judge.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import numpy as np
+from gemv_dispatch.kernels import program
+from gemv_dispatch.kernels.codebooks import FORMATS
+from gemv_dispatch.kernels.emulate import QuantizedActivations
+from gemv_dispatch.kernels.errors import BLOCK
+from gemv_dispatch.kernels.layout import PackedWeights
+from gemv_dispatch.kernels.registry import FOLD_THREADS, Candidate
+
+HERE = Path(__file__).parent
+REPO = HERE.parent.parent
+STAGED_SOURCE = REPO / "bench" / "next" / "gemv.cu"
+# Its GEMV kernels' parameters: the registered source's with the super-block formats' sub-block scale plane.
+STAGED_SIGNATURE = program.SIGNATURE.replace("const u16*, const int*", "const u16*, const unsigned char*, const int*")
+FLAGS = ("-std=c++20", "-O1", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared", "-pthread", "-w")
+
+
+
+def codebook_index(codebook: str) -> int:
+    """The kernel source's `Codebook` enum value: the format's place in kernels.codebooks.FORMATS."""
+    return FORMATS.index(codebook)
+
+
+def unit(source: Path, kernel_names: tuple[str, ...]) -> str:
+    """The translation unit: the shim, the kernel source, and an entry per instantiation (launcher.h)."""
+    rows = [("fold_partials", "fold_entry"), ("quantize_activations", "quantize_entry"),
+            *((name, f"gemv_entry<&{name}>") for name in kernel_names)]
+    table = ",\n".join(f'    {{"{name}", {entry}}}' for name, entry in rows)
+    return (f'#define GEMV_HOSTSIM 1\n#include "{HERE / "cuda_host.h"}"\n#include "{source}"\n'
+            f'#include "{HERE / "launcher.h"}"\nconst Entry entries[] = {{\n{table}\n}};\n'
+            f"const int entry_count = {len(rows)};\n")
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("GEMV_HOSTSIM_CACHE", Path(tempfile.gettempdir()) / "gemv-hostsim"))
+
+
+@cache
+def build(source: Path, kernel_names: tuple[str, ...]) -> Simulator:
+    """Compile `source` for the host with these instantiations (cached by content in cache_dir())."""
+    compiler = shutil.which("g++")
+    if compiler is None:
+        raise FileNotFoundError("g++ is not on PATH")
+    text = unit(source, tuple(sorted(kernel_names)))
+    headers = [(HERE / name).read_text() for name in ("cuda_host.h", "launcher.h")]
+    key = hashlib.sha256("\0".join([text, source.read_text(), *headers, *FLAGS]).encode())
+    library = cache_dir() / f"{key.hexdigest()[:24]}.so"
+    if not library.exists():
+        library.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            src, out = Path(tmp) / "unit.cpp", Path(tmp) / "unit.so"
+            src.write_text(text)
+            done = subprocess.run([compiler, *FLAGS, "-o", str(out), str(src)], capture_output=True, text=True)
+            if done.returncode:
+                raise RuntimeError(f"g++ failed ({done.returncode}):\n{done.stderr[-6000:]}")
+            os.replace(out, library)
+    return Simulator(ctypes.CDLL(str(library)))
+
+
+def pointer(a: np.ndarray | None) -> ctypes.c_void_p:
+    """A numpy array's data as a kernel argument (None: a null pointer)."""
+    return ctypes.c_void_p(0 if a is None else a.ctypes.data)
+
+
+@dataclass
+class Simulator:
+    lib: ctypes.CDLL
+
+    def launch(self, name: str, grid: tuple[int, ...], block: tuple[int, ...], shared: int,
+               args: list[ctypes.c_void_p]) -> None:
+        array = (ctypes.c_void_p * len(args))(*args)
+        if self.lib.hostsim_launch(name.encode(), ctypes.c_uint(grid[0]), ctypes.c_uint(grid[1]),
+                                   ctypes.c_uint(block[0]), ctypes.c_uint(block[1]), ctypes.c_ulong(shared), array):
+            raise KeyError(f"{name} is not built into this simulator")
+
+    def gemv(self, candidate: Candidate, packed: PackedWeights, qa: QuantizedActivations,
+             poison: np.uint32) -> np.ndarray:
+        """y float32 [M, N] by `candidate` (both launches for kpar), into a buffer filled with `poison` bits."""
+        m, n, k = qa.m, packed.n, packed.k
+        planes = [np.ascontiguousarray(p) if p is not None else None
+                  for p in (packed.payload, packed.high, packed.scale, packed.min, packed.sub)]
+        # Block-major activations ([KB][M]), as launch.quantize_activations writes them.
+        q = np.ascontiguousarray(qa.q.transpose(1, 0, 2))
+        d, s = np.ascontiguousarray(qa.d.T), np.ascontiguousarray(qa.sum.T)
+        ints = [np.array([v], dtype=np.int32) for v in (m, n, k // BLOCK, candidate.partition_width(k))]
+        out = np.full((m, n), poison, dtype=np.uint32).view(np.float32)
+        split = candidate.split(k)
+        target = np.full(split * m * n, np.nan, dtype=np.float32) if candidate.grid_split else out
+        grid, block = candidate.launch_geometry(m, n, k)
+        name = candidate.template_name(codebook_index(packed.codebook), m)
+        self.launch(name, grid, block, candidate.shared_bytes(m),
+                    [*map(pointer, planes), pointer(q), pointer(d), pointer(s), *map(pointer, ints), pointer(target)])
+        if candidate.grid_split:
+            counts = [np.array([v], dtype=np.int32) for v in (split, m * n)]
+            self.launch("fold_partials", (-(-m * n // FOLD_THREADS), 1), (FOLD_THREADS, 1), 0,
+                        [pointer(target), *map(pointer, counts), pointer(out)])
+        return out

@@ -1,0 +1,184 @@
+// The CUDA execution model on the host, just enough to run the GEMV kernels on a CPU: every thread of a CTA is a
+// std::thread, CTAs run one after another, __syncthreads is a CTA barrier and the warp-wide operations
+// (mma.sync, shuffles) meet at a warp barrier. Float operations the kernels write as PTX have host twins in the
+// kernel source (#ifndef __CUDA_ARCH__), compiled with -ffp-contract=off: one IEEE fp32 rounding each, as on
+// the GPU. What this cannot show: timing, memory-model races beyond what real host threads expose, alignment
+// faults, and anything the PTX assembler decides. The GPU tests remain the judge; this lets CI run the kernels.
+#pragma once
+
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __restrict__ __restrict
+#define __align__(n) alignas(n)
+
+struct uint4 { unsigned x, y, z, w; };
+struct int4 { int x, y, z, w; };
+struct uint2 { unsigned x, y; };
+struct float2 { float x, y; };
+inline float2 make_float2(float x, float y) { return float2{x, y}; }
+struct dim3 { unsigned x = 1, y = 1, z = 1; };
+
+namespace hostsim {
+
+struct Warp {
+    std::barrier<> meet{32};
+    unsigned slots[32][8];
+};
+
+struct Thread {
+    dim3 threadIdx, blockIdx, blockDim, gridDim;
+    std::barrier<>* cta;
+    Warp* warp;
+    unsigned char* shared;
+};
+
+inline thread_local Thread self;
+
+inline unsigned lane() {
+    return (self.threadIdx.x + self.blockDim.x * (self.threadIdx.y + self.blockDim.y * self.threadIdx.z)) & 31u;
+}
+
+// Every lane publishes `n` words, then reads the whole warp's; the second barrier keeps the slots until all read.
+template <int n>
+inline void exchange(const unsigned (&mine)[n], unsigned (&all)[32][8]) {
+    Warp& w = *self.warp;
+    std::memcpy(w.slots[lane()], mine, sizeof mine);
+    w.meet.arrive_and_wait();
+    std::memcpy(all, w.slots, sizeof all);
+    w.meet.arrive_and_wait();
+}
+
+// mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 with C = 0. Fragments of lane (g, t) = (lane / 4, lane % 4):
+// A row g: a0 (k 4t..4t+3), a2 (k 16+4t..); row g+8: a1, a3. B column g: b0 (k 4t..4t+3), b1 (k 16+4t..).
+// D: d0, d1 = row g, columns 2t, 2t+1; d2, d3 = row g+8.
+inline void mma_m16n8k32_s8(const int (&a)[4], int b0, int b1, int (&d)[4]) {
+    const unsigned mine[6] = {(unsigned)a[0], (unsigned)a[1], (unsigned)a[2], (unsigned)a[3], (unsigned)b0,
+                              (unsigned)b1};
+    unsigned all[32][8];
+    exchange(mine, all);
+    const int g = lane() >> 2, t = lane() & 3;
+    auto a_at = [&](int row, int k) {  // A[row][k]
+        const unsigned word = all[(row & 7) * 4 + (k & 15) / 4][(row >= 8) + 2 * (k >= 16)];
+        return (int)(signed char)(word >> (8 * (k & 3)));
+    };
+    auto b_at = [&](int k, int col) {  // B[k][col]
+        const unsigned word = all[col * 4 + (k & 15) / 4][4 + (k >= 16)];
+        return (int)(signed char)(word >> (8 * (k & 3)));
+    };
+    for (int e = 0; e < 4; ++e) {
+        const int row = g + 8 * (e >> 1), col = 2 * t + (e & 1);
+        int s = 0;
+        for (int k = 0; k < 32; ++k) s += a_at(row, k) * b_at(k, col);
+        d[e] = s;
+    }
+}
+
+using Kernel = void (*)(void* const* args);
+
+// Run `kernel` over the grid: one host thread per CUDA thread, CTAs in order, `shared` bytes of dynamic shared
+// memory per CTA. Returns after the last CTA.
+inline void launch(Kernel kernel, dim3 grid, dim3 block, size_t shared, void* const* args) {
+    const unsigned threads = block.x * block.y * block.z;
+    std::barrier<> cta(threads);
+    std::vector<Warp> warps((threads + 31) / 32);
+    std::vector<unsigned char> memory(shared + 16);
+    std::vector<std::thread> pool;
+    for (unsigned tid = 0; tid < threads; ++tid) {
+        pool.emplace_back([&, tid] {
+            self.blockDim = block;
+            self.gridDim = grid;
+            self.threadIdx = dim3{tid % block.x, tid / block.x % block.y, tid / (block.x * block.y)};
+            self.cta = &cta;
+            self.warp = &warps[tid / 32];
+            self.shared = memory.data();
+            for (unsigned z = 0; z < grid.z; ++z)
+                for (unsigned y = 0; y < grid.y; ++y)
+                    for (unsigned x = 0; x < grid.x; ++x) {
+                        self.blockIdx = dim3{x, y, z};
+                        kernel(args);
+                        cta.arrive_and_wait();  // the CTA is done before the next one reuses shared memory
+                    }
+        });
+    }
+    for (auto& t : pool) t.join();
+}
+
+}  // namespace hostsim
+
+#define threadIdx (hostsim::self.threadIdx)
+#define blockIdx (hostsim::self.blockIdx)
+#define blockDim (hostsim::self.blockDim)
+#define gridDim (hostsim::self.gridDim)
+
+inline int min(int a, int b) { return a < b ? a : b; }
+inline int max(int a, int b) { return a > b ? a : b; }
+
+template <class T>
+inline T __ldg(const T* p) { return *p; }
+inline void __syncthreads() { hostsim::self.cta->arrive_and_wait(); }
+inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
+inline float __uint_as_float(unsigned i) { float f; std::memcpy(&f, &i, 4); return f; }
+inline unsigned __float_as_uint(float f) { unsigned i; std::memcpy(&i, &f, 4); return i; }
+
+// prmt.b32 (default mode): byte i of the result is byte s_i & 7 of {b, a} (a bytes 0-3), or with s_i & 8 that
+// byte's sign replicated.
+inline unsigned __byte_perm(unsigned a, unsigned b, unsigned s) {
+    const unsigned long long ab = ((unsigned long long)b << 32) | a;
+    unsigned r = 0;
+    for (int i = 0; i < 4; ++i) {
+        const unsigned sel = (s >> (4 * i)) & 0xF;
+        unsigned byte = (unsigned)(ab >> (8 * (sel & 7))) & 0xFF;
+        if (sel & 8) byte = (byte & 0x80) ? 0xFF : 0;
+        r |= byte << (8 * i);
+    }
+    return r;
+}
+
+inline float __shfl_xor_sync(unsigned, float v, int mask) {
+    unsigned all[32][8];
+    const unsigned mine[1] = {__float_as_uint(v)};
+    hostsim::exchange(mine, all);
+    return __uint_as_float(all[hostsim::lane() ^ (unsigned)mask][0]);
+}
+
+inline int __reduce_add_sync(unsigned, int v) {
+    unsigned all[32][8];
+    const unsigned mine[1] = {(unsigned)v};
+    hostsim::exchange(mine, all);
+    unsigned s = 0;
+    for (int i = 0; i < 32; ++i) s += all[i][0];
+    return (int)s;
+}
+
+inline int __dp4a(int a, int b, int c) {
+    for (int i = 0; i < 4; ++i) c += (int)(signed char)(a >> (8 * i)) * (int)(signed char)(b >> (8 * i));
+    return c;
+}
+
+// fp16 bits -> float, exactly (subnormals, infinities and NaN payloads kept), as cvt.f32.f16 does.
+inline float hostsim_half_to_float(unsigned short h) {
+    const unsigned sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
+    unsigned bits;
+    if (exp == 0x1F) {
+        bits = sign | 0x7F800000u | (man << 13);
+    } else if (exp) {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    } else if (man == 0) {
+        bits = sign;
+    } else {  // subnormal: normalize
+        int e = 113;
+        unsigned m = man;
+        while (!(m & 0x400)) m <<= 1, --e;
+        bits = sign | ((unsigned)e << 23) | ((m & 0x3FF) << 13);
+    }
+    return __uint_as_float(bits);
+}

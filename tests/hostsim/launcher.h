@@ -1,0 +1,37 @@
+// Entry points of a host-simulated kernel library (tests/hostsim): each kernel behind one signature, void*
+// arguments in the kernel's order (scalars by pointer), looked up by its source-level name. Included after the
+// kernel source; the including unit defines `entries` and `entry_count`.
+#pragma once
+
+template <auto F>
+void gemv_entry(void* const* a) {
+    F((const u32*)a[0], (const u32*)a[1], (const u16*)a[2], (const u16*)a[3], (const unsigned char*)a[4],
+      (const int*)a[5], (const float*)a[6], (const int*)a[7], *(const int*)a[8], *(const int*)a[9],
+      *(const int*)a[10], *(const int*)a[11], (float*)a[12]);
+}
+
+inline void fold_entry(void* const* a) {
+    fold_partials((const float*)a[0], *(const int*)a[1], *(const int*)a[2], (float*)a[3]);
+}
+
+inline void quantize_entry(void* const* a) {
+    quantize_activations((const float*)a[0], *(const int*)a[1], *(const int*)a[2], (signed char*)a[3], (float*)a[4],
+                         (int*)a[5]);
+}
+
+struct Entry {
+    const char* name;
+    hostsim::Kernel run;
+};
+extern const Entry entries[];
+extern const int entry_count;
+
+extern "C" int hostsim_launch(const char* name, unsigned gx, unsigned gy, unsigned bx, unsigned by,
+                              unsigned long shared, void* const* args) {
+    for (int i = 0; i < entry_count; ++i)
+        if (!std::strcmp(entries[i].name, name)) {
+            hostsim::launch(entries[i].run, dim3{gx, gy, 1}, dim3{bx, by, 1}, shared, args);
+            return 0;
+        }
+    return 1;
+}

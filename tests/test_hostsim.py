@@ -1,0 +1,126 @@
+"""The staged kernel source (bench/next/gemv.cu) on the CPU: every candidate of every codebook, both engines, the
+legacy formats and the super-block ones, byte for byte against the emulator (docs/contract.md §1-3).
+
+tests/hostsim runs the kernels' own code with one host thread per CUDA thread. The legacy formats' kernels
+there are the GPU-checked ones with the signature widened, so their passing here is the simulator's own check;
+the super-block kernels have not run on a GPU yet (bench/next/README.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+
+import hostsim
+import numpy as np
+import pytest
+from bitcheck import assert_same_bits, bits
+from gemv_dispatch.kernels import emulate
+from gemv_dispatch.kernels.codebooks import FORMATS, SUPERBLOCK
+from gemv_dispatch.kernels.errors import BLOCK
+from gemv_dispatch.kernels.layout import pack
+from gemv_dispatch.kernels.registry import CANDIDATES
+from test_emulate import ADVERSARIAL, weights
+
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None and not os.environ.get("CI"),
+                                reason="g++ is not on PATH (CI requires it)")
+
+# KB = 40 blocks (five super-blocks): the effective splits are S = 2, 4 and 8, whose partitions of 20, 10 and 5
+# blocks cut Q4_K/Q5_K pairs (5) and Q6_K quads (10, 5) at their edges. N = 72: a partial CTA in every family
+# and a warp with one mma tile of four.
+N, K = 72, 1280
+M_SET = (1, 2, 5, 8, 16, 31)
+POISON = np.uint32(0x7FBADBAD)  # a NaN pattern no kernel writes
+KINDS = [(c, "gaussian") for c in FORMATS] + [(c, "bytes") for c in FORMATS] + [
+    (c, kind) for c in SUPERBLOCK for kind in ("special", "corrupt")]
+
+
+def valid(m: int) -> list:
+    return [c for c in CANDIDATES if c.valid(m, N, K)]
+
+
+@pytest.fixture(scope="module")
+def sim() -> hostsim.Simulator:
+    names = {c.template_name(hostsim.codebook_index(cb), m) for cb in FORMATS for m in M_SET for c in valid(m)}
+    return hostsim.build(hostsim.STAGED_SOURCE, tuple(sorted(names)))
+
+
+def seed() -> int:
+    value = int(np.random.SeedSequence().entropy % 2**32)
+    print(f"seed {value}")  # replay: weights(codebook, N, K // 32, seed, kind)
+    return value
+
+
+def activations(m: int, rng: np.random.Generator) -> np.ndarray:
+    """Gaussian rows at mixed scales, with the emulator tests' adversarial blocks (zeros of both signs,
+    subnormals, ties) spread over rows and blocks; those near the fp32 maximum, which overflow every output of
+    their row, only in the last row of 31."""
+    x = (rng.standard_normal((m, K)) * 2.0 ** rng.integers(-20, 20, size=(m, 1))).astype(np.float32)
+    blocks = x.reshape(m, K // BLOCK, BLOCK)
+    for i, block in enumerate(ADVERSARIAL.values()):
+        huge = np.abs(block).max() > 1e30
+        if not huge or m == max(M_SET):
+            blocks[m - 1 if huge else i % (m - 1 or 1), (7 * i) % (K // BLOCK)] = block
+    return x
+
+
+def test_candidates_cover_every_family_and_engine():
+    assert {(c.family, c.engine) for c in valid(31)} == {
+        ("wide", "dp4a"), ("direct", "dp4a"), ("kpar", "dp4a"), ("wide", "mma"), ("kpar", "mma")}
+    assert {c.split(K) for c in valid(31)} == {1, 2, 4, 8}
+
+
+@pytest.mark.parametrize(("codebook", "kind"), KINDS)
+def test_staged_kernels_equal_the_emulator(sim, codebook, kind):
+    """Every valid candidate at every M: the emulator's bytes (so grouped M equals serial M = 1), every element
+    written; kpar through its fold launch."""
+    value = seed()
+    rng = np.random.default_rng(value)
+    packed = pack(codebook, weights(codebook, N, K // BLOCK, value, kind), N, K)
+    x = activations(max(M_SET), rng)
+    with np.errstate(all="ignore"):
+        for m in M_SET:
+            qa = emulate.quantize_activations(x[:m])
+            expected: dict[int, np.ndarray] = {}
+            for cand in valid(m):
+                s = cand.split(K)
+                if s not in expected:
+                    expected[s] = emulate.gemv_quantized(packed, qa, s)
+                got = sim.gemv(cand, packed, qa, POISON)
+                assert_same_bits(got, expected[s], f"{codebook} ({kind}) {cand.id} M={m}")
+                assert not (bits(got) == POISON).any()
+    if kind in ("gaussian", "bytes"):  # the comparisons were of numbers, not only of infinities and NaNs
+        assert np.isfinite(expected[1][:-1]).mean() > 0.9
+
+
+def test_activation_kernel_equals_the_emulator(sim):
+    rng = np.random.default_rng(seed())
+    x = activations(5, rng)
+    m, kb = x.shape[0], K // BLOCK
+    q = np.zeros((kb, m, BLOCK), np.int8)
+    d, s = np.full((kb, m), np.nan, np.float32), np.zeros((kb, m), np.int32)
+    ints = [np.array([v], dtype=np.int32) for v in (m, kb)]
+    sim.launch("quantize_activations", (-(-m * kb * BLOCK // 256), 1), (256, 1), 0,
+               [hostsim.pointer(a) for a in (x, *ints, q, d, s)])
+    ref = emulate.quantize_activations(x)
+    assert np.array_equal(q.transpose(1, 0, 2), ref.q)
+    assert_same_bits(d.T, ref.d)
+    assert np.array_equal(s.T, ref.sum)
+
+
+@pytest.mark.parametrize("codebook", SUPERBLOCK)
+def test_wrong_scales_or_identities_are_detected(sim, codebook):
+    """Negative controls: the comparison above can fail. A kernel fed other sub-block scales (the super-blocks
+    in another order), or a candidate of another identity, differs from the emulator on random data."""
+    value = seed()
+    packed = pack(codebook, weights(codebook, N, K // BLOCK, value, "gaussian"), N, K)
+    qa = emulate.quantize_activations(activations(5, np.random.default_rng(value)))
+    wide, kpar = (next(c for c in valid(5) if c.family == f and c.split(K) == s) for f, s in (("wide", 1), ("kpar", 8)))
+    want = emulate.gemv_quantized(packed, qa, 1)
+    assert_same_bits(sim.gemv(wide, packed, qa, POISON), want)
+    shuffled = dataclasses.replace(packed, sub=np.ascontiguousarray(packed.sub[[1, 0, 2, 3, 4]]))
+    with pytest.raises(AssertionError, match="differ"):
+        assert_same_bits(sim.gemv(wide, shuffled, qa, POISON), want)
+    with pytest.raises(AssertionError, match="differ"):
+        assert_same_bits(sim.gemv(kpar, packed, qa, POISON), want)
