@@ -6,6 +6,7 @@ The options are part of the arithmetic contract: no FMA contraction, no flush-to
 from __future__ import annotations
 
 import hashlib
+import re
 from functools import cache
 from pathlib import Path
 
@@ -31,14 +32,24 @@ def digest() -> str:
     return h.hexdigest()
 
 
-# The parameter types of every GEMV template kernel of the source (payload, high, scale, min, activations q,
-# d_a, sum_a, M, N, KB, partition width, out).
-SIGNATURE = (
-    "(const u32*, const u32*, const u16*, const u16*, const int*, const float*, const int*, int, int, int, int, float*)"
-)
+def declared_signature(text: str, kernel: str = "gemv_partial") -> str:
+    """The parameter types of `kernel` as declared in a kernel source, e.g. "(const u32*, ..., int, float*)"; a
+    parameter list written as the macro GEMV_PARAMS is read from the macro's definition."""
+    head = re.search(rf"__global__\s+void\s+{kernel}\s*\(([^)]*)\)", text)
+    if head is None:
+        raise ValueError(f"no __global__ {kernel} in the kernel source")
+    params = head.group(1).strip()
+    if params == "GEMV_PARAMS":
+        macro = re.search(r"#define GEMV_PARAMS((?:.*\\\n)*.*)", text)
+        assert macro is not None, "GEMV_PARAMS is used but not defined"
+        params = macro.group(1).replace("\\\n", " ")
+    types = [re.sub(r"\s+", " ", p.replace("__restrict__", "")).strip().rsplit(" ", 1)[0].replace(" *", "*")
+             for p in params.split(",")]
+    return "(" + ", ".join(types) + ")"
 
 
-def explicit_instantiations(kernel_names: list[str], text: str | None = None, signature: str = SIGNATURE) -> str:
-    """A translation unit that instantiates each template kernel of `text` (the source), for building with nvcc."""
+def explicit_instantiations(kernel_names: list[str], text: str | None = None) -> str:
+    """A translation unit that instantiates each template kernel of `text` (default: the source), for nvcc."""
     body = source() if text is None else text
-    return "\n".join([body, *(f"template __global__ void {name}{signature};" for name in kernel_names)]) + "\n"
+    params = declared_signature(body)
+    return "\n".join([body, *(f"template __global__ void {name}{params};" for name in kernel_names)]) + "\n"

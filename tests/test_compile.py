@@ -43,8 +43,19 @@ def test_staged_source_compiles_spill_free_for_sm90():
     """The staged next kernel source (bench/next), every codebook including the super-block ones."""
     names = sorted({c.template_name(hostsim.codebook_index(cb), m)
                     for cb in FORMATS for c in CANDIDATES for m in range(1, 2 * MMA_ROWS + 1)})
-    text = program.explicit_instantiations(names, hostsim.STAGED_SOURCE.read_text(), hostsim.STAGED_SIGNATURE)
+    text = program.explicit_instantiations(names, hostsim.STAGED_SOURCE.read_text())
     assert_clean_build(compile_unit(text, "sm_90"), names)
+
+
+@pytest.mark.parametrize(("text", "planes"), [(program.source(), 4), (hostsim.STAGED_SOURCE.read_text(), 5)])
+def test_both_engines_declare_the_parameters_the_launchers_pass(text, planes):
+    """The planes, three activation arrays, M, N, KB and the partition width, the output: what kernels.launch
+    (registered source) and tests/hostsim (staged) pass, in that order."""
+    want = program.declared_signature(text, "gemv_partial")
+    assert program.declared_signature(text, "gemv_mma") == want
+    types = want.strip("()").split(", ")
+    assert types[planes:] == ["const int*", "const float*", "const int*", "int", "int", "int", "int", "float*"]
+    assert all(t.startswith("const u") for t in types[:planes])
 
 
 def test_report_parser_flags_spills():

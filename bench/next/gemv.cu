@@ -288,6 +288,15 @@ struct Planes {
     const unsigned char* __restrict__ sub;  // super-block formats: sub-block scales [KB/8][N][SUB_BYTES]
 };
 
+// The parameters of every GEMV kernel, in the launchers' order (kernels.program.declared_signature reads them):
+// the planes, the block-major activations (q, d_a, sum_a), M, N, KB, the partition width, and the output (kpar:
+// its workspace [S][M][N]).
+#define GEMV_PARAMS                                                                                        \
+    const u32* __restrict__ payload, const u32* __restrict__ high, const u16* __restrict__ scale,          \
+        const u16* __restrict__ minv, const unsigned char* __restrict__ sub, const int* __restrict__ qa,     \
+        const float* __restrict__ da, const int* __restrict__ sa, int M, int N, int KB, int width,        \
+        float* __restrict__ out
+
 // One column's weights for one group of blocks (dp4a engine): the group's payload rows, its high bits, and the
 // scales of its blocks (legacy: read from the planes; super-block formats: derived per block).
 template <int CB>
@@ -357,12 +366,7 @@ struct ColumnGroup {
 
 // 512 threads at most (direct: threads x S <= 512) caps registers at 128 so every launch fits an SM.
 template <int CB, int CPT, int MT, bool GRID_SPLIT>
-__global__ void gemv_partial(const u32* __restrict__ payload, const u32* __restrict__ high,
-                             const u16* __restrict__ scale, const u16* __restrict__ minv,
-                             const unsigned char* __restrict__ sub,
-                             const int* __restrict__ qa, const float* __restrict__ da,
-                             const int* __restrict__ sa, int M, int N, int KB, int width,
-                             float* __restrict__ out) {
+__global__ void gemv_partial(GEMV_PARAMS) {
     typedef Traits<CB> T;
     constexpr int G = T::GROUP, H = T::HALVES, CC = T::COLUMNS < CPT ? T::COLUMNS : CPT;
     // Loads of several blocks in flight; fewer when the tile already holds many registers. A group of the
@@ -526,12 +530,7 @@ __device__ __forceinline__ TileSuper load_tile_super(const Planes& P, int b0, u6
 // 16*MTILES rows. Weights of DEPTH groups are loaded before any is used: 32 registers of loads in flight
 // per lane keep HBM busy. No barriers, so a warp past N returns.
 template <int CB, int NT, int MTILES, bool GRID_SPLIT>
-__global__ void gemv_mma(const u32* __restrict__ payload, const u32* __restrict__ high,
-                         const u16* __restrict__ scale, const u16* __restrict__ minv,
-                         const unsigned char* __restrict__ sub,
-                         const int* __restrict__ qa, const float* __restrict__ da,
-                         const int* __restrict__ sa, int M, int N, int KB, int width,
-                         float* __restrict__ out) {
+__global__ void gemv_mma(GEMV_PARAMS) {
     typedef Traits<CB> T;
     constexpr int G = T::GROUP, H = T::HALVES;
     constexpr int LANE_WORDS = G + (CB == Q8_0) + (T::SUPER ? 0 : 1 + T::ASYM) + T::HIGH + 2 * (CB == Q6_K);

@@ -29,8 +29,6 @@ from gemv_dispatch.kernels.registry import FOLD_THREADS, Candidate
 HERE = Path(__file__).parent
 REPO = HERE.parent.parent
 STAGED_SOURCE = REPO / "bench" / "next" / "gemv.cu"
-# Its GEMV kernels' parameters: the registered source's with the super-block formats' sub-block scale plane.
-STAGED_SIGNATURE = program.SIGNATURE.replace("const u16*, const int*", "const u16*, const unsigned char*, const int*")
 FLAGS = ("-std=c++20", "-O1", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared", "-pthread", "-w")
 
 
@@ -40,14 +38,22 @@ def codebook_index(codebook: str) -> int:
     return FORMATS.index(codebook)
 
 
+def entry(signature: str) -> str:
+    """gemv_entry<F>: kernel F called with void* arguments in its parameter order, scalars by pointer."""
+    types = [t.strip() for t in signature.strip("()").split(",")]
+    args = ", ".join(f"*(const int*)a[{i}]" if t == "int" else f"({t})a[{i}]" for i, t in enumerate(types))
+    return f"template <auto F>\nvoid gemv_entry(void* const* a) {{ F({args}); }}\n"
+
+
 def unit(source: Path, kernel_names: tuple[str, ...]) -> str:
     """The translation unit: the shim, the kernel source, and an entry per instantiation (launcher.h)."""
+    text = source.read_text()
     rows = [("fold_partials", "fold_entry"), ("quantize_activations", "quantize_entry"),
             *((name, f"gemv_entry<&{name}>") for name in kernel_names)]
     table = ",\n".join(f'    {{"{name}", {entry}}}' for name, entry in rows)
     return (f'#define GEMV_HOSTSIM 1\n#include "{HERE / "cuda_host.h"}"\n#include "{source}"\n'
-            f'#include "{HERE / "launcher.h"}"\nconst Entry entries[] = {{\n{table}\n}};\n'
-            f"const int entry_count = {len(rows)};\n")
+            f'#include "{HERE / "launcher.h"}"\n{entry(program.declared_signature(text))}'
+            f"const Entry entries[] = {{\n{table}\n}};\nconst int entry_count = {len(rows)};\n")
 
 
 def cache_dir() -> Path:

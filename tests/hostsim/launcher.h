@@ -1,14 +1,8 @@
 // Entry points of a host-simulated kernel library (tests/hostsim): each kernel behind one signature, void*
 // arguments in the kernel's order (scalars by pointer), looked up by its source-level name. Included after the
-// kernel source; the including unit defines `entries` and `entry_count`.
+// kernel source; the including unit defines gemv_entry (from the kernels' declared parameters), `entries` and
+// `entry_count`.
 #pragma once
-
-template <auto F>
-void gemv_entry(void* const* a) {
-    F((const u32*)a[0], (const u32*)a[1], (const u16*)a[2], (const u16*)a[3], (const unsigned char*)a[4],
-      (const int*)a[5], (const float*)a[6], (const int*)a[7], *(const int*)a[8], *(const int*)a[9],
-      *(const int*)a[10], *(const int*)a[11], (float*)a[12]);
-}
 
 inline void fold_entry(void* const* a) {
     fold_partials((const float*)a[0], *(const int*)a[1], *(const int*)a[2], (float*)a[3]);
