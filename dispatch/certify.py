@@ -411,7 +411,8 @@ class GpuRunner:
 
             book = get(w.codebook)
             self._packed_cols = PackedWeights(book.name, book.execution, len(cols), w.k, host(w.payload),
-                                              host(w.scale, np.float16), host(w.min, np.float16), host(w.high))
+                                              host(w.scale, np.float16), host(w.min, np.float16), host(w.high),
+                                              host(w.sub))
         assert self._x is not None
         qa = emulate.quantize_activations(np.ascontiguousarray(self._x[1][list(rows)]), self._x[0])
         want = emulate.gemv_quantized(self._packed_cols, qa, candidate.ksplit)

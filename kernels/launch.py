@@ -69,6 +69,8 @@ def require_device() -> Any:
 
 @dataclass(frozen=True)
 class DeviceWeights:
+    """The execution planes of kernels.layout.PackedWeights on the device; a plane the codebook lacks is None."""
+
     codebook: str
     n: int
     k: int
@@ -76,10 +78,20 @@ class DeviceWeights:
     scale: Any  # cupy uint16 (fp16 bits) [KB, N]
     min: Any | None
     high: Any | None
+    sub: Any | None = None  # cupy uint8 [KB/8, N, sc bytes]: super-block formats
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in (self.payload, self.scale, self.min, self.high) if a is not None)
+        return sum(a.nbytes for a in (self.payload, self.scale, self.min, self.high, self.sub) if a is not None)
+
+    def plane_args(self) -> tuple[Any, ...]:
+        """The planes in the order the kernels declare them (program.planes), null pointers for absent ones."""
+        planes = (getattr(self, PLANE_FIELDS[name]) for name in program.planes())
+        return tuple(np.uint64(0) if plane is None else plane for plane in planes)
+
+
+# Kernel parameter name of a plane -> its DeviceWeights field (`min` is a CUDA function, hence `minv`).
+PLANE_FIELDS = {"payload": "payload", "high": "high", "scale": "scale", "minv": "min", "sub": "sub"}
 
 
 def to_device(packed: PackedWeights) -> DeviceWeights:
@@ -100,6 +112,7 @@ def to_device(packed: PackedWeights) -> DeviceWeights:
         scale=put(packed.scale, np.uint16),
         min=put(packed.min, np.uint16),
         high=put(packed.high),
+        sub=put(packed.sub),
     )
     cp.cuda.get_current_stream().synchronize()
     return weights
@@ -310,7 +323,7 @@ class Plan:
     grid: tuple[int, int, int]
     block: tuple[int, int, int]
     shared: int
-    weights: tuple[Any, ...]  # payload, high, scale, min (null pointers for planes a codebook lacks)
+    weights: tuple[Any, ...]  # DeviceWeights.plane_args: the planes in the kernels' order
     scalars: tuple[Any, ...]  # int32 M, N, KB, partition width
     workspace_floats: int  # kpar's partials [S][M][N]; 0 for one-launch families
     fold: Any  # the fold kernel of kpar, else None
@@ -336,13 +349,11 @@ def plan(candidate: Candidate, weights: DeviceWeights, m: int) -> Plan:
     if reason:
         raise InputError(f"candidate {candidate.id} cannot run M={m}, N={n}, K={k}: {reason}")
     grid, block = candidate.launch_geometry(m, n, k)
-    none = np.uint64(0)  # a null pointer for planes this codebook lacks
     return Plan(
         candidate=candidate, m=m,
         kernel=_kernel(weights.codebook, candidate.kernel_name(weights.codebook, m)),
         grid=grid, block=block, shared=candidate.shared_bytes(m),
-        weights=(weights.payload, none if weights.high is None else weights.high, weights.scale,
-                 none if weights.min is None else weights.min),
+        weights=weights.plane_args(),
         scalars=(np.int32(m), np.int32(n), np.int32(k // BLOCK), np.int32(candidate.partition_width(k))),
         workspace_floats=candidate.workspace_bytes(m, n, k) // 4,
         fold=_helper("fold_partials") if candidate.grid_split else None,

@@ -32,9 +32,9 @@ def digest() -> str:
     return h.hexdigest()
 
 
-def declared_signature(text: str, kernel: str = "gemv_partial") -> str:
-    """The parameter types of `kernel` as declared in a kernel source, e.g. "(const u32*, ..., int, float*)"; a
-    parameter list written as the macro GEMV_PARAMS is read from the macro's definition."""
+def declared_params(text: str, kernel: str = "gemv_partial") -> list[tuple[str, str]]:
+    """(type, name) of each parameter of `kernel` as declared in a kernel source; a parameter list written as the
+    macro GEMV_PARAMS is read from the macro's definition."""
     head = re.search(rf"__global__\s+void\s+{kernel}\s*\(([^)]*)\)", text)
     if head is None:
         raise ValueError(f"no __global__ {kernel} in the kernel source")
@@ -43,9 +43,20 @@ def declared_signature(text: str, kernel: str = "gemv_partial") -> str:
         macro = re.search(r"#define GEMV_PARAMS((?:.*\\\n)*.*)", text)
         assert macro is not None, "GEMV_PARAMS is used but not defined"
         params = macro.group(1).replace("\\\n", " ")
-    types = [re.sub(r"\s+", " ", p.replace("__restrict__", "")).strip().rsplit(" ", 1)[0].replace(" *", "*")
-             for p in params.split(",")]
-    return "(" + ", ".join(types) + ")"
+    declared = [re.sub(r"\s+", " ", p.replace("__restrict__", "")).strip().rsplit(" ", 1) for p in params.split(",")]
+    return [(kind.replace(" *", "*"), name) for kind, name in declared]
+
+
+def declared_signature(text: str, kernel: str = "gemv_partial") -> str:
+    """The parameter types of `kernel`, e.g. "(const u32*, ..., int, float*)", as an instantiation names them."""
+    return "(" + ", ".join(kind for kind, _ in declared_params(text, kernel)) + ")"
+
+
+@cache
+def planes() -> tuple[str, ...]:
+    """The weight planes the source's GEMV kernels take, in order: the parameters before the activations (qa)."""
+    names = [name for _, name in declared_params(source())]
+    return tuple(names[: names.index("qa")])
 
 
 def explicit_instantiations(kernel_names: list[str], text: str | None = None) -> str:

@@ -4,8 +4,9 @@ import os
 import shutil
 
 import hostsim
+import numpy as np
 import pytest
-from gemv_dispatch.kernels import program
+from gemv_dispatch.kernels import launch, program
 from gemv_dispatch.kernels.codebooks import FORMATS
 from gemv_dispatch.kernels.ptxas import compile_report, compile_unit, parse_report, source_name
 from gemv_dispatch.kernels.registry import CANDIDATES, MMA_ROWS, instantiations
@@ -56,6 +57,17 @@ def test_both_engines_declare_the_parameters_the_launchers_pass(text, planes):
     types = want.strip("()").split(", ")
     assert types[planes:] == ["const int*", "const float*", "const int*", "int", "int", "int", "int", "float*"]
     assert all(t.startswith("const u") for t in types[:planes])
+    names = [name for _, name in program.declared_params(text)]
+    assert set(names[:planes]) <= set(launch.PLANE_FIELDS), "a plane kernels.launch cannot pass"
+
+
+def test_launches_pass_the_planes_in_declared_order():
+    """DeviceWeights.plane_args follows the registered source's declaration, null for a plane the codebook lacks."""
+    payload, scale, high = np.zeros(4, np.uint32), np.zeros(2, np.uint16), np.zeros(2, np.uint32)
+    weights = launch.DeviceWeights("Q5_0", 8, 32, payload=payload, scale=scale, min=None, high=high)
+    assert program.planes() == ("payload", "high", "scale", "minv")
+    args = weights.plane_args()
+    assert args[0] is payload and args[1] is high and args[2] is scale and args[3] == 0
 
 
 def test_report_parser_flags_spills():
