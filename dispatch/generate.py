@@ -118,7 +118,7 @@ def context(policy: Policy, inventories: str) -> dict[str, Any]:
         "row_tile_cap": registry.ROW_TILES[-1],
         "max_accumulators": registry.MAX_ACCUMULATORS,
         "mma_outputs": registry.MMA_OUTPUTS,
-        "max_cta_threads": 1024,
+        "max_cta_threads": registry.MAX_CTA_THREADS,
         "shared_limit": registry.SHARED_MEMORY_LIMIT,
         "modes": list(features.MODES),
         "families": list(FAMILIES),

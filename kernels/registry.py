@@ -35,6 +35,10 @@ MMA_ROWS = 16  # activation rows per mma.m16n8k32 (the A operand)
 MMA_OUTPUTS = 8  # outputs per mma (the B operand)
 MMA_ROW_TILES = (1, 2)  # M tiles of MMA_ROWS handled per pass over the weights
 SHARED_MEMORY_LIMIT = 48 * 1024  # default dynamic shared memory per CTA, no opt-in needed
+# Threads per CTA a candidate may launch: CUDA's limit. The compile options' --maxrregcount=128 allows at most
+# 65536 / 128 = 512; no candidate comes near it (direct keeps threads x S <= 512), and the value is rendered into
+# the certified dispatch module, so the derived limit enters with the next certification (bench/next).
+MAX_CTA_THREADS = 1024
 FOLD_THREADS = 256
 
 
@@ -110,8 +114,8 @@ class Candidate:
             return f"N={n} is not a multiple of the {MMA_OUTPUTS} outputs of an mma tile"
         if self.split(k) != self.ksplit:
             return f"ksplit {self.ksplit} is not effective for KB={k // BLOCK} (it acts as S={self.split(k)})"
-        if self.family != "kpar" and self.threads * self.ksplit > 1024:
-            return f"{self.threads}x{self.ksplit} threads exceed 1024 per CTA"
+        if self.family != "kpar" and self.threads * self.ksplit > MAX_CTA_THREADS:
+            return f"{self.threads}x{self.ksplit} threads exceed {MAX_CTA_THREADS} per CTA"
         if self.shared_bytes(m) > SHARED_MEMORY_LIMIT:
             return f"needs {self.shared_bytes(m)} bytes of shared memory (limit {SHARED_MEMORY_LIMIT})"
         return None
