@@ -70,7 +70,7 @@ struct Traits {
 inline float canonical(float r) { return r != r ? __uint_as_float(0x7FFFFFFFu) : r; }
 #define F32_BINARY(name, op, host) \
     inline float name(float a, float b) { return canonical(host); }
-#define DYNAMIC_SHARED(type, name) type* name = reinterpret_cast<type*>(hostsim::self.shared)
+#define DYNAMIC_SHARED(type, name) type* name = reinterpret_cast<type*>(hostsim::self().shared)
 #endif
 F32_BINARY(add_rn, "add.rn.f32", a + b)
 F32_BINARY(mul_rn, "mul.rn.f32", a * b)
@@ -370,8 +370,8 @@ __global__ void gemv_partial(GEMV_PARAMS) {
     typedef Traits<CB> T;
     constexpr int G = T::GROUP, H = T::HALVES, CC = T::COLUMNS < CPT ? T::COLUMNS : CPT;
     // Loads of several blocks in flight; fewer when the tile already holds many registers. A group of the
-    // paired formats already loads 2-4 blocks.
-    constexpr int UNROLL = G > 1 ? 1 : (MT * CPT <= 2 ? 4 : (MT * CPT <= 4 ? 2 : 1));
+    // paired formats already loads 2 (Q6_K: 4) blocks.
+    constexpr int UNROLL = G == 4 ? 1 : (MT * CC <= 2 ? 4 / G : (MT * CC <= 4 ? 2 / G : 1));
     DYNAMIC_SHARED(float, partials);  // direct family: [S-1][MT][blockDim.x*CPT]
     const Planes P{payload, high, scale, minv, sub};
 

@@ -1,8 +1,8 @@
 """The GEMV kernels on the CPU: a kernel source built with g++ against cuda_host.h (-DGEMV_HOSTSIM), launched
 by template name through ctypes with numpy planes and activations, in the layouts the GPU reads.
 
-A test oracle, not a device: it runs the kernels' own decode, index and accumulation code with one host thread
-per CUDA thread, so a layout or arithmetic mistake shows up on a machine without a GPU. Timing, caches and the
+A test oracle, not a device: it runs the kernels' own decode, index and accumulation code with one fiber per
+CUDA thread, so a layout or arithmetic mistake shows up on a machine without a GPU. Timing, caches and the
 PTX assembler's choices are the GPU's to judge.
 """
 
@@ -29,7 +29,7 @@ from gemv_dispatch.kernels.registry import FOLD_THREADS, Candidate
 HERE = Path(__file__).parent
 REPO = HERE.parent.parent
 STAGED_SOURCE = REPO / "bench" / "next" / "gemv.cu"
-FLAGS = ("-std=c++20", "-O1", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared", "-pthread", "-w")
+FLAGS = ("-std=c++20", "-O1", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared", "-w")
 
 
 
@@ -94,9 +94,13 @@ class Simulator:
     def launch(self, name: str, grid: tuple[int, ...], block: tuple[int, ...], shared: int,
                args: list[ctypes.c_void_p]) -> None:
         array = (ctypes.c_void_p * len(args))(*args)
-        if self.lib.hostsim_launch(name.encode(), ctypes.c_uint(grid[0]), ctypes.c_uint(grid[1]),
-                                   ctypes.c_uint(block[0]), ctypes.c_uint(block[1]), ctypes.c_ulong(shared), array):
+        failed = self.lib.hostsim_launch(name.encode(), ctypes.c_uint(grid[0]), ctypes.c_uint(grid[1]),
+                                         ctypes.c_uint(block[0]), ctypes.c_uint(block[1]), ctypes.c_ulong(shared),
+                                         array)
+        if failed == 1:
             raise KeyError(f"{name} is not built into this simulator")
+        if failed:
+            raise RuntimeError(f"{name}: the threads of a CTA deadlocked at barriers")
 
     def gemv(self, candidate: Candidate, packed: PackedWeights, qa: QuantizedActivations,
              poison: np.uint32) -> np.ndarray:

@@ -1,16 +1,18 @@
 // The CUDA execution model on the host, just enough to run the GEMV kernels on a CPU: every thread of a CTA is a
-// std::thread, CTAs run one after another, __syncthreads is a CTA barrier and the warp-wide operations
-// (mma.sync, shuffles) meet at a warp barrier. Float operations the kernels write as PTX have host twins in the
-// kernel source (#ifndef __CUDA_ARCH__), compiled with -ffp-contract=off: one IEEE fp32 rounding each, as on
-// the GPU. What this cannot show: timing, memory-model races beyond what real host threads expose, alignment
-// faults, and anything the PTX assembler decides. The GPU tests remain the judge; this lets CI run the kernels.
+// fiber (ucontext) on the calling thread, CTAs run one after another, __syncthreads is a CTA barrier and the
+// warp-wide operations (mma.sync, shuffles) meet at a warp barrier; a fiber that reaches a barrier yields until
+// the last one of its group arrives, and a finished one leaves its groups, as exited CUDA threads do.
+// Deterministic: the same launch interleaves its threads the same way every time. Float operations the kernels
+// write as PTX have host twins in the kernel source (GEMV_HOSTSIM), compiled with -ffp-contract=off: one IEEE fp32
+// rounding each, as on the GPU. What this cannot show: timing, races, alignment faults, and anything the PTX
+// assembler decides. The GPU tests remain the judge; this lets CI run the kernels' own code.
 #pragma once
 
-#include <barrier>
+#include <ucontext.h>
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <thread>
 #include <vector>
 
 #define __global__
@@ -29,32 +31,68 @@ struct dim3 { unsigned x = 1, y = 1, z = 1; };
 
 namespace hostsim {
 
+// A barrier of `size` fibers; `generation` counts its releases.
+struct Group {
+    int size = 0, arrived = 0;
+    unsigned long generation = 0;
+
+    bool release_if_complete() {
+        if (arrived < size) return false;
+        arrived = 0, ++generation;
+        return true;
+    }
+};
+
 struct Warp {
-    std::barrier<> meet{32};
+    Group meet;
     unsigned slots[32][8];
 };
 
 struct Thread {
     dim3 threadIdx, blockIdx, blockDim, gridDim;
-    std::barrier<>* cta;
+    Group* cta;
     Warp* warp;
     unsigned char* shared;
+    ucontext_t context;
+    bool done;
+    const Group* waiting;  // the barrier this thread waits at, and its generation then
+    unsigned long generation;
+
+    bool runnable() const { return !done && !(waiting && waiting->generation == generation); }
 };
 
-inline thread_local Thread self;
+struct Launch {
+    ucontext_t scheduler;
+    std::vector<Thread> threads;
+    size_t current = 0;
+    void (*kernel)(void* const*) = nullptr;
+    void* const* args = nullptr;
+};
+
+inline Launch* running;
+inline Thread& self() { return running->threads[running->current]; }
 
 inline unsigned lane() {
-    return (self.threadIdx.x + self.blockDim.x * (self.threadIdx.y + self.blockDim.y * self.threadIdx.z)) & 31u;
+    const Thread& t = self();
+    return (t.threadIdx.x + t.blockDim.x * (t.threadIdx.y + t.blockDim.y * t.threadIdx.z)) & 31u;
+}
+
+inline void wait_at(Group& g) {
+    Thread& t = self();
+    t.waiting = &g, t.generation = g.generation;
+    ++g.arrived;
+    if (!g.release_if_complete()) swapcontext(&t.context, &running->scheduler);  // resumed once released
+    t.waiting = nullptr;
 }
 
 // Every lane publishes `n` words, then reads the whole warp's; the second barrier keeps the slots until all read.
 template <int n>
 inline void exchange(const unsigned (&mine)[n], unsigned (&all)[32][8]) {
-    Warp& w = *self.warp;
+    Warp& w = *self().warp;
     std::memcpy(w.slots[lane()], mine, sizeof mine);
-    w.meet.arrive_and_wait();
+    wait_at(w.meet);
     std::memcpy(all, w.slots, sizeof all);
-    w.meet.arrive_and_wait();
+    wait_at(w.meet);
 }
 
 // mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 with C = 0. Fragments of lane (g, t) = (lane / 4, lane % 4):
@@ -84,47 +122,86 @@ inline void mma_m16n8k32_s8(const int (&a)[4], int b0, int b1, int (&d)[4]) {
 
 using Kernel = void (*)(void* const* args);
 
-// Run `kernel` over the grid: one host thread per CUDA thread, CTAs in order, `shared` bytes of dynamic shared
-// memory per CTA. Returns after the last CTA.
-inline void launch(Kernel kernel, dim3 grid, dim3 block, size_t shared, void* const* args) {
-    const unsigned threads = block.x * block.y * block.z;
-    std::barrier<> cta(threads);
-    std::vector<Warp> warps((threads + 31) / 32);
+// A finished thread leaves its barriers: the others no longer wait for it.
+inline void leave(Group& g) {
+    --g.size;
+    g.release_if_complete();
+}
+
+inline void run_thread() {
+    running->kernel(running->args);
+    Thread& t = self();
+    t.done = true;
+    leave(*t.cta);
+    leave(t.warp->meet);
+}  // returns to the scheduler through uc_link
+
+constexpr size_t STACK_BYTES = 64 * 1024;
+
+// Run `kernel` over the grid: one fiber per CUDA thread, CTAs in order, `shared` bytes of dynamic shared memory
+// per CTA. Returns after the last CTA, or false at once when the threads of a CTA deadlock at barriers (a GPU
+// would hang).
+inline bool launch(Kernel kernel, dim3 grid, dim3 block, size_t shared, void* const* args) {
+    const unsigned count = block.x * block.y * block.z;
+    Launch here;
+    here.kernel = kernel, here.args = args;
+    here.threads.resize(count);
+    std::vector<std::vector<unsigned char>> stacks(count, std::vector<unsigned char>(STACK_BYTES));
+    std::vector<Warp> warps((count + 31) / 32);
     std::vector<unsigned char> memory(shared + 16);
-    std::vector<std::thread> pool;
-    for (unsigned tid = 0; tid < threads; ++tid) {
-        pool.emplace_back([&, tid] {
-            self.blockDim = block;
-            self.gridDim = grid;
-            self.threadIdx = dim3{tid % block.x, tid / block.x % block.y, tid / (block.x * block.y)};
-            self.cta = &cta;
-            self.warp = &warps[tid / 32];
-            self.shared = memory.data();
-            for (unsigned z = 0; z < grid.z; ++z)
-                for (unsigned y = 0; y < grid.y; ++y)
-                    for (unsigned x = 0; x < grid.x; ++x) {
-                        self.blockIdx = dim3{x, y, z};
-                        kernel(args);
-                        cta.arrive_and_wait();  // the CTA is done before the next one reuses shared memory
+    Group cta;
+    Launch* outer = running;
+    running = &here;
+    for (unsigned z = 0; z < grid.z; ++z)
+        for (unsigned y = 0; y < grid.y; ++y)
+            for (unsigned x = 0; x < grid.x; ++x) {
+                cta = Group{(int)count};
+                for (unsigned w = 0; w < warps.size(); ++w) warps[w].meet = Group{(int)std::min(32u, count - 32 * w)};
+                for (unsigned tid = 0; tid < count; ++tid) {
+                    Thread& t = here.threads[tid];
+                    t.blockDim = block, t.gridDim = grid, t.blockIdx = dim3{x, y, z};
+                    t.threadIdx = dim3{tid % block.x, tid / block.x % block.y, tid / (block.x * block.y)};
+                    t.cta = &cta, t.warp = &warps[tid / 32], t.shared = memory.data(), t.done = false;
+                    t.waiting = nullptr;
+                    getcontext(&t.context);
+                    t.context.uc_stack.ss_sp = stacks[tid].data();
+                    t.context.uc_stack.ss_size = STACK_BYTES;
+                    t.context.uc_link = &here.scheduler;
+                    makecontext(&t.context, run_thread, 0);
+                }
+                for (bool busy = true; busy;) {  // round robin until every thread of the CTA has finished
+                    busy = false;
+                    bool ran = false;
+                    for (here.current = 0; here.current < count; ++here.current) {
+                        Thread& t = here.threads[here.current];
+                        busy = busy || !t.done;
+                        if (!t.runnable()) continue;
+                        ran = true;
+                        swapcontext(&here.scheduler, &t.context);
                     }
-        });
-    }
-    for (auto& t : pool) t.join();
+                    if (busy && !ran) {  // every live thread waits at a barrier the others never reach
+                        running = outer;
+                        return false;
+                    }
+                }
+            }
+    running = outer;
+    return true;
 }
 
 }  // namespace hostsim
 
-#define threadIdx (hostsim::self.threadIdx)
-#define blockIdx (hostsim::self.blockIdx)
-#define blockDim (hostsim::self.blockDim)
-#define gridDim (hostsim::self.gridDim)
+#define threadIdx (hostsim::self().threadIdx)
+#define blockIdx (hostsim::self().blockIdx)
+#define blockDim (hostsim::self().blockDim)
+#define gridDim (hostsim::self().gridDim)
 
 inline int min(int a, int b) { return a < b ? a : b; }
 inline int max(int a, int b) { return a > b ? a : b; }
 
 template <class T>
 inline T __ldg(const T* p) { return *p; }
-inline void __syncthreads() { hostsim::self.cta->arrive_and_wait(); }
+inline void __syncthreads() { hostsim::wait_at(*hostsim::self().cta); }
 inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
 inline float __uint_as_float(unsigned i) { float f; std::memcpy(&f, &i, 4); return f; }
 inline unsigned __float_as_uint(float f) { unsigned i; std::memcpy(&i, &f, 4); return i; }
