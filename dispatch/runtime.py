@@ -42,7 +42,7 @@ from typing import Any, Literal
 import numpy as np
 from gemv_dispatch.dispatch.shapes import open_gguf
 from gemv_dispatch.kernels import launch
-from gemv_dispatch.kernels.codebooks import CODEBOOKS, get
+from gemv_dispatch.kernels.codebooks import CODEBOOKS, FORMATS, get
 from gemv_dispatch.kernels.emulate import QuantizedActivations
 from gemv_dispatch.kernels.errors import BLOCK, InputError
 from gemv_dispatch.kernels.layout import PackedWeights, pack
@@ -181,19 +181,21 @@ def prepare(weights: PackedWeights | np.ndarray, codebook: str | None = None, k:
 
 def read_gguf_tensor(path: str | Path, name: str) -> PackedWeights:
     """The block bytes of one 2-D tensor of a GGUF file, packed: the codebook from its GGML type, N and K from
-    its dims (ne = [K, N]). InputError for a missing file or tensor or an unsupported type."""
+    its dims (ne = [K, N]). Any format the tool understands (FORMATS) is read; `prepare` refuses those no kernel
+    runs yet. InputError for a missing file or tensor or another type."""
     path = Path(path)
     reader = open_gguf(path)
     tensor = next((t for t in reader.tensors if t.name == name), None)
     if tensor is None:
         raise InputError(f"{path}: no tensor named {name!r}")
     codebook = tensor.tensor_type.name
-    if codebook not in CODEBOOKS:
-        raise InputError(f"{path}: tensor {name!r} is {codebook}; the kernels run {', '.join(CODEBOOKS)}")
+    if codebook not in FORMATS:
+        raise InputError(f"{path}: tensor {name!r} is {codebook}; the tool reads {', '.join(FORMATS)} and the "
+                         f"kernels run {', '.join(CODEBOOKS)}")
     if len(tensor.shape) != 2:
         raise InputError(f"{path}: tensor {name!r} has {len(tensor.shape)} dims; a GEMV weight is 2-D")
     k, n = (int(d) for d in tensor.shape)
-    book = get(codebook)
+    book = get(codebook, runnable=False)
     blocks = np.array(tensor.data, dtype=np.uint8).reshape(n, k // book.weights * book.block_bytes)
     return pack(codebook, blocks, n, k)
 

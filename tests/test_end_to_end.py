@@ -74,7 +74,7 @@ def test_read_gguf_tensor_refuses_bad_requests(model, tmp_path):
     path, _, _ = model
     with pytest.raises(InputError, match=r"no tensor named 'blk\.9\.attn_q\.weight'"):
         runtime.read_gguf_tensor(path, "blk.9.attn_q.weight")
-    with pytest.raises(InputError, match="is F32; the kernels run"):
+    with pytest.raises(InputError, match="is F32; the tool reads"):
         runtime.read_gguf_tensor(path, "output_norm.weight")
     with pytest.raises(InputError, match="no such GGUF file"):
         runtime.read_gguf_tensor(tmp_path / "absent.gguf", "output.weight")

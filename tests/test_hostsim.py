@@ -16,7 +16,7 @@ import hostsim
 import numpy as np
 import pytest
 from bitcheck import assert_same_bits, bits
-from gemv_dispatch.kernels import emulate
+from gemv_dispatch.kernels import emulate, layout
 from gemv_dispatch.kernels.codebooks import FORMATS, SUPERBLOCK
 from gemv_dispatch.kernels.errors import BLOCK
 from gemv_dispatch.kernels.layout import pack
@@ -123,3 +123,54 @@ def test_wrong_scales_or_identities_are_detected(sim, codebook):
         assert_same_bits(sim.gemv(wide, shuffled, qa, POISON), want)
     with pytest.raises(AssertionError, match="differ"):
         assert_same_bits(sim.gemv(kpar, packed, qa, POISON), want)
+
+
+# A Q4_K_M-like model: Q4_K for most tensors, Q6_K for some attn_v (one geometry, two types), ffn_down and the
+# output head. (codebook, N, K) per tensor.
+MIXED = {
+    "blk.0.attn_q.weight": ("Q4_K", 72, 512),
+    "blk.0.attn_v.weight": ("Q6_K", 16, 512),
+    "blk.1.attn_v.weight": ("Q4_K", 16, 512),
+    "blk.0.ffn_down.weight": ("Q6_K", 72, 1280),
+    "output.weight": ("Q6_K", 136, 512),
+}
+
+
+def test_a_mixed_q4_k_q6_k_gguf_runs_through_the_staged_kernels(sim, tmp_path):
+    """A GGUF file written with the gguf package -> `shapes from-gguf` (a mixed-type inventory) -> the tensor
+    bytes read back exactly -> every staged candidate equals the emulator. The runtime refuses these formats in
+    one line until the staged source is promoted."""
+    import gguf
+    from gemv_dispatch.dispatch import runtime
+    from gemv_dispatch.dispatch.shapes import from_gguf
+    from gemv_dispatch.kernels.codebooks import quantize
+    from gemv_dispatch.kernels.errors import InputError
+
+    rng = np.random.default_rng(seed())
+    path = tmp_path / "q4_k_m.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    written = {}
+    for name, (codebook, n, k) in MIXED.items():
+        written[name] = quantize(codebook, rng.standard_normal((n, k), dtype=np.float32) * np.float32(0.05))
+        writer.add_tensor(name, written[name], raw_dtype=gguf.GGMLQuantizationType[codebook])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    inventory = {(s.role, s.n, s.k): s.codebooks for s in from_gguf(path).shapes}
+    assert inventory == {("q", 72, 512): ("Q4_K",), ("v", 16, 512): ("Q4_K", "Q6_K"), ("down", 72, 1280): ("Q6_K",),
+                         ("lm_head", 136, 512): ("Q6_K",)}
+    x = activations(max(M_SET), rng)
+    for name, (codebook, n, k) in MIXED.items():
+        packed = runtime.read_gguf_tensor(path, name)
+        assert (packed.codebook, packed.n, packed.k) == (codebook, n, k)
+        assert np.array_equal(layout.unpack(packed), written[name]), name
+        with pytest.raises(InputError, match=f"codebook {codebook} has no GPU kernel yet"):
+            runtime.prepare(packed)
+        xk = np.ascontiguousarray(x[:, :k])
+        for m in (1, 16):
+            qa = emulate.quantize_activations(xk[:m])
+            for cand in (c for c in CANDIDATES if c.valid(m, n, k)):
+                got = sim.gemv(cand, packed, qa, POISON)
+                assert_same_bits(got, emulate.gemv_quantized(packed, qa, cand.ksplit), f"{name} {cand.id} M={m}")
