@@ -4,6 +4,7 @@ Default plan (`parse_plan()` with no arguments): the union of the (N, K) geometr
 in corpus/shapes/ (the synthetic grid is left out; pass it with --shapes), all six codebooks, M in {1, 4, 16},
 graph mode, `sweep_timing()` (cold L2, racing on, at most 15 rounds): 96 geometries x 6 x 3 = 1728 cells,
 measured at 384 s of wall time on one H200 (two runs of three codebooks each: 188.5 s and 195.8 s).
+Inventories from `shapes from-gguf` are typed: each of their shapes is swept in its own GGUF types (typed_cells).
 
 Each finished cell becomes one staged shard (corpus.stage_shard: no manifest rewrite per cell), so an
 interruption loses at most the cell in flight; a rerun adopts the staged shards and skips the cells the corpus
@@ -22,6 +23,7 @@ import os
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -29,7 +31,7 @@ from typing import Any, Protocol, TextIO
 
 from gemv_dispatch.dispatch import __version__, corpus, gpulock
 from gemv_dispatch.dispatch.corpus import MODES, Cell, Corpus, Provenance, Record, gpu_slug, timing_parameters
-from gemv_dispatch.dispatch.shapes import GRID_NAME, default_inventory_dir, load_inventories
+from gemv_dispatch.dispatch.shapes import GRID_NAME, Inventory, default_inventory_dir, load_inventories
 from gemv_dispatch.dispatch.timing import (
     CupyBackend,
     Stats,
@@ -62,6 +64,9 @@ class SweepPlan:
     geometries: tuple[tuple[int, int], ...]  # (N, K)
     timing: TimingConfig = field(default_factory=TimingConfig)  # GpuTimer's; a replay reports its corpus's
     limit: int | None = None  # the first `limit` cells only (smoke runs)
+    # (codebook, N, K) a typed inventory asks for (a GGUF model's shapes in their own types, typed_cells);
+    # None: every codebook at every geometry.
+    typed: frozenset[tuple[str, int, int]] | None = None
 
     def __post_init__(self) -> None:
         for cb in self.codebooks:
@@ -80,7 +85,7 @@ class SweepPlan:
             for n, k in sorted(self.geometries)
             for m in sorted(self.ms)
             for mode in MODES
-            if mode in self.modes
+            if mode in self.modes and (self.typed is None or (cb, n, k) in self.typed)
         ]
         return cells[: self.limit]
 
@@ -124,12 +129,39 @@ def parse_plan(codebooks: str = DEFAULT_CODEBOOKS, ms: str = DEFAULT_MS, modes: 
             raise InputError(f"--modes: unknown mode {mode!r}; known: {', '.join(MODES)}")
     if limit is not None and limit < 1:
         raise InputError(f"--limit must be >= 1, got {limit}")
+    typed = None
     if shapes:
-        geometries = sorted({g for inv in load_inventories(shapes) for g in inv.geometries()})
+        inventories = load_inventories(shapes)
+        geometries = sorted({g for inv in inventories for g in inv.geometries()})
+        typed = typed_cells(inventories, names)
     else:
         geometries = default_geometries()
     return SweepPlan(tuple(dict.fromkeys(names)), tuple(sorted(set(_positive_ints(ms, "--m")))),
-                     tuple(dict.fromkeys(mode_list)), tuple(geometries), sweep_timing(hot), limit)
+                     tuple(dict.fromkeys(mode_list)), tuple(geometries), sweep_timing(hot), limit, typed)
+
+
+def typed_cells(inventories: Sequence[Inventory], codebooks: Sequence[str]) -> frozenset[tuple[str, int, int]] | None:
+    """What typed inventories ask to sweep: each typed shape in its own GGUF types that a kernel runs; an
+    untyped shape, or one stored only in types no kernel runs yet (the super-block formats, said in one
+    warning), in every codebook; all within `codebooks` (--codebooks). None when no shape is typed (the plan's
+    full product); InputError when nothing is left."""
+    shapes = [s for inv in inventories for s in inv.shapes]
+    if not any(s.codebooks for s in shapes):
+        return None
+    wanted: set[tuple[str, int, int]] = set()
+    unrun: dict[str, int] = {}
+    for s in shapes:
+        runnable = [cb for cb in s.codebooks if cb in CODEBOOKS]
+        for cb in s.codebooks:
+            if cb not in CODEBOOKS:
+                unrun[cb] = unrun.get(cb, 0) + 1
+        wanted.update((cb, s.n, s.k) for cb in runnable or codebooks if cb in codebooks)
+    if unrun:
+        warnings.warn("no kernel runs " + ", ".join(f"{cb} ({count} shapes)" for cb, count in sorted(unrun.items()))
+                      + " yet: shapes stored only in those are swept in every codebook", stacklevel=2)
+    if not wanted:
+        raise InputError(f"the inventories ask for no shape in the codebooks asked for ({', '.join(codebooks)})")
+    return frozenset(wanted)
 
 
 def parse_devices(text: str) -> list[str]:

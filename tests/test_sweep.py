@@ -30,6 +30,7 @@ from corpus_fixture import (
 from gemv_dispatch.dispatch import corpus, gpulock
 from gemv_dispatch.dispatch.cli import main
 from gemv_dispatch.dispatch.corpus import MANIFEST, SHARDS, Cell, compact, load, write_shard
+from gemv_dispatch.dispatch.shapes import Inventory, Shape, load_inventory, write_inventory
 from gemv_dispatch.dispatch.sweep import (
     GpuTimer,
     Progress,
@@ -74,6 +75,49 @@ def test_cells_are_grouped_by_geometry_and_parts_deal_whole_geometries(shapes):
     geometry = [{(c.codebook, c.n, c.k) for c in p} for p in parts]
     assert all(not (a & b) for i, a in enumerate(geometry) for b in geometry[i + 1:])
     assert plan.part(0, 1) == full
+
+
+def typed_inventory(path: Path) -> Path:
+    """A GGUF-derived inventory: the first geometry stored as Q4_0, the second as Q8_0 and Q4_K, plus an
+    untyped shape and a Q6_K-only one."""
+    (g0, g1), extra = GEOMETRIES, (512, 256)
+    shapes = (Shape(*g0, "q", "m", "f", ("Q4_0",)), Shape(*g1, "v", "m", "f", ("Q4_K", "Q8_0")),
+              Shape(*extra, "o", "m", "f"), Shape(1024, 512, "down", "m", "f", ("Q6_K",)))
+    return write_inventory(Inventory("m", "f", "gguf:m.gguf", shapes), path)
+
+
+def test_a_typed_inventory_sweeps_each_shape_in_its_own_types(tmp_path):
+    inv = typed_inventory(tmp_path / "typed.json")
+    with pytest.warns(UserWarning, match=r"no kernel runs Q4_K \(1 shapes\), Q6_K \(1 shapes\) yet"):
+        plan = parse_plan("all", "1", "graph", [inv])
+    (g0, g1), extra, q6 = GEOMETRIES, (512, 256), (1024, 512)
+    assert {(c.codebook, c.n, c.k) for c in plan.cells()} == {
+        ("Q4_0", *g0), ("Q8_0", *g1), *((cb, *extra) for cb in CODEBOOKS), *((cb, *q6) for cb in CODEBOOKS)}
+    with pytest.warns(UserWarning):
+        narrowed = parse_plan("Q8_0", "1", "graph", [inv])
+    assert {(c.codebook, c.n, c.k) for c in narrowed.cells()} == {("Q8_0", *g1), ("Q8_0", *extra), ("Q8_0", *q6)}
+    q4_0_only = write_inventory(Inventory("m", "f", "gguf:m.gguf", (Shape(256, 512, "q", "m", "f", ("Q4_0",)),)),
+                                tmp_path / "q4_0.json")
+    with pytest.raises(InputError, match=r"no shape in the codebooks asked for \(Q8_0\)"):
+        parse_plan("Q8_0", "1", "graph", [q4_0_only])
+    assert parse_plan("all", "1", "graph", [write_shapes(tmp_path / "untyped.json")]).typed is None
+
+
+def test_a_typed_replay_sweep_through_the_cli_measures_only_what_the_model_stores(source, tmp_path):
+    inv = typed_inventory(tmp_path / "typed.json")
+    result = invoke("sweep", "--replay", str(source), "--shapes", str(inv), "--corpus-root", str(tmp_path / "out"),
+                    "--codebooks", "Q4_0,Q8_0", "--m", "1,4", "--modes", "graph", "--json")
+    assert result.exit_code == 2, result.output  # the replayed corpus lacks two geometries
+    assert "8 of 12 cells of the plan cannot be timed" in result.stderr  # (512, 256) and (1024, 512) in both
+    with_known = write_inventory(Inventory("m", "f", "gguf:m.gguf", tuple(
+        s for s in load_inventory(inv).shapes if s.codebooks and s.role != "down")), tmp_path / "known.json")
+    result = invoke("sweep", "--replay", str(source), "--shapes", str(with_known), "--corpus-root",
+                    str(tmp_path / "out"), "--codebooks", "Q4_0,Q8_0", "--m", "1,4", "--modes", "graph")
+    assert result.exit_code == 0, result.output
+    assert "warning: no kernel runs Q4_K (1 shapes) yet" in result.output
+    swept = {(c.codebook, c.n, c.k) for c in load(tmp_path / "out" / SLUG).cells()}
+    (g0, g1) = GEOMETRIES
+    assert swept == {("Q4_0", *g0), ("Q8_0", *g1)}
 
 
 def test_progress_line_has_an_eta_from_measured_cells_weighted_by_work():
