@@ -23,11 +23,10 @@ from functools import cache
 from typing import Any
 
 import numpy as np
-from gemv_dispatch.kernels import program
+from gemv_dispatch.kernels import layout, program
 from gemv_dispatch.kernels.codebooks import get
 from gemv_dispatch.kernels.emulate import QuantizedActivations
 from gemv_dispatch.kernels.errors import BLOCK, EnvironmentProblem, InputError
-from gemv_dispatch.kernels.layout import PackedWeights
 from gemv_dispatch.kernels.registry import FOLD_THREADS, Candidate, kernel_names
 
 try:
@@ -84,9 +83,10 @@ class DeviceWeights:
     def nbytes(self) -> int:
         return sum(a.nbytes for a in (self.payload, self.scale, self.min, self.high, self.sub) if a is not None)
 
-    def plane_args(self) -> tuple[Any, ...]:
-        """The planes in the order the kernels declare them (program.planes), null pointers for absent ones."""
-        planes = (getattr(self, PLANE_FIELDS[name]) for name in program.planes())
+    def plane_args(self, declared: tuple[str, ...] | None = None) -> tuple[Any, ...]:
+        """The planes in the order the kernels declare them (`declared` plane parameter names, default
+        program.planes()), null pointers for absent ones."""
+        planes = (getattr(self, PLANE_FIELDS[name]) for name in declared or program.planes())
         return tuple(np.uint64(0) if plane is None else plane for plane in planes)
 
 
@@ -94,7 +94,7 @@ class DeviceWeights:
 PLANE_FIELDS = {"payload": "payload", "high": "high", "scale": "scale", "minv": "min", "sub": "sub"}
 
 
-def to_device(packed: PackedWeights) -> DeviceWeights:
+def to_device(packed: layout.PackedWeights) -> DeviceWeights:
     """Upload the planes on the current stream and wait for them (one host synchronization, once per
     matrix): afterwards any stream may read them, whatever stream it is ordered with."""
     cp = require_cupy()
@@ -119,19 +119,19 @@ def to_device(packed: PackedWeights) -> DeviceWeights:
 
 
 def random_weights(codebook: str, n: int, k: int, rng: Any) -> DeviceWeights:
-    """Device planes of random codes with finite fp16 scales and mins in [1e-3, 1e-2): timing inputs that
-    are never zeros or special values. `rng` is a cupy.random.Generator."""
+    """Device planes (layout.plane_shapes) of random codes and sub-block scales with finite fp16 scales and mins
+    in [1e-3, 1e-2), for any format the layout knows: timing inputs that are never zeros or special values.
+    `rng` is a cupy.random.Generator."""
     cp = require_cupy()
-    book, kb = get(codebook), k // BLOCK
 
-    def halfs() -> Any:
-        return (rng.random((kb, n), dtype=cp.float32) * 9e-3 + 1e-3).astype(cp.float16).view(cp.uint16)
+    def fill(shape: tuple[int, ...], dtype: np.dtype) -> Any:
+        if dtype == np.float16:
+            return (rng.random(shape, dtype=cp.float32) * 9e-3 + 1e-3).astype(cp.float16).view(cp.uint16)
+        return rng.integers(0, 1 << (8 * dtype.itemsize), size=shape, dtype=cp.uint64).astype(dtype)
 
-    def words(*shape: int) -> Any:
-        return rng.integers(0, 2**32, size=shape, dtype=cp.uint64).astype(cp.uint32)
-
-    return DeviceWeights(book.name, n, k, words(kb, n, book.payload_bytes // 4), halfs(),
-                         halfs() if book.asymmetric else None, words(kb, n) if book.high_bits else None)
+    planes = {name: fill(*spec) for name, spec in layout.plane_shapes(codebook, n, k).items()}
+    return DeviceWeights(get(codebook, runnable=False).name, n, k, planes["payload"], planes["scale"],
+                         planes.get("min"), planes.get("high"), planes.get("sub"))
 
 
 def empty_activations(m: int, k: int) -> QuantizedActivations:

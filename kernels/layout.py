@@ -62,6 +62,18 @@ def _plane(book: Codebook, blocks3: np.ndarray, name: str) -> np.ndarray:
     return plane[:, :, 0] if plane.shape[2] == 1 else plane
 
 
+def plane_shapes(codebook: str, n: int, k: int) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """The shape and dtype of each plane `pack` makes of an N×K matrix, by plane name (payload, scale, ...)."""
+    book = get(codebook, runnable=False)
+    shapes = {}
+    for name, size in book.layout:
+        plane, dtype = _PLANES[name]
+        runs, itemsize = _runs(book, name), np.dtype(dtype).itemsize
+        rows, width = k // book.weights * runs, size // runs // itemsize
+        shapes[plane] = ((rows, n) if width == 1 else (rows, n, width), np.dtype(dtype))
+    return shapes
+
+
 def pack(codebook: str, blocks: np.ndarray, n: int, k: int) -> PackedWeights:
     """GGUF block bytes uint8 [N, K/weights*block_bytes] -> execution planes."""
     book = get(codebook, runnable=False)

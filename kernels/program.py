@@ -52,11 +52,16 @@ def declared_signature(text: str, kernel: str = "gemv_partial") -> str:
     return "(" + ", ".join(kind for kind, _ in declared_params(text, kernel)) + ")"
 
 
+def declared_planes(text: str) -> tuple[str, ...]:
+    """The weight planes a kernel source's GEMV kernels take, in order: the parameters before the activations."""
+    names = [name for _, name in declared_params(text)]
+    return tuple(names[: names.index("qa")])
+
+
 @cache
 def planes() -> tuple[str, ...]:
-    """The weight planes the source's GEMV kernels take, in order: the parameters before the activations (qa)."""
-    names = [name for _, name in declared_params(source())]
-    return tuple(names[: names.index("qa")])
+    """declared_planes of the source: what kernels.launch passes."""
+    return declared_planes(source())
 
 
 def explicit_instantiations(kernel_names: list[str], text: str | None = None) -> str:

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from gemv_dispatch.kernels.codebooks import CODEBOOKS, get, quantize
+from gemv_dispatch.kernels.codebooks import CODEBOOKS, FORMATS, get, quantize
 from gemv_dispatch.kernels.errors import InputError
-from gemv_dispatch.kernels.layout import PackedWeights, pack, unpack
+from gemv_dispatch.kernels.layout import PackedWeights, pack, plane_shapes, unpack
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -302,3 +302,13 @@ def test_superblock_bad_input_raises_input_error(args, match):
     with pytest.raises(InputError, match=match) as info:
         pack(*args)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("codebook", FORMATS)
+def test_plane_shapes_are_the_shapes_pack_makes(codebook):
+    """layout.plane_shapes (device planes made without packing: launch.random_weights) agrees with pack."""
+    n, k = 24, 512
+    book = get(codebook, runnable=False)
+    blocks = np.random.default_rng(5).integers(0, 256, size=(n, k // book.weights * book.block_bytes), dtype=np.uint8)
+    packed = pack(codebook, blocks, n, k)
+    assert plane_shapes(codebook, n, k) == {name: (p.shape, p.dtype) for name, p in packed.planes().items()}

@@ -18,7 +18,7 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -30,7 +30,7 @@ sys.path[:0] = [str(Path(__file__).parents[1]), str(Path(__file__).parents[2] / 
 from anchors import ANCHORS  # noqa: E402
 from gemv_dispatch.dispatch.timing import CupyBackend, cell_seed, copies_for_cold_l2, time_candidates  # noqa: E402
 from gemv_dispatch.kernels import emulate, launch, layout, program  # noqa: E402
-from gemv_dispatch.kernels.codebooks import CODEBOOKS, FORMATS, SUPERBLOCK, get, quantize  # noqa: E402
+from gemv_dispatch.kernels.codebooks import CODEBOOKS, FORMATS, SUPERBLOCK, quantize  # noqa: E402
 from gemv_dispatch.kernels.errors import BLOCK  # noqa: E402
 from gemv_dispatch.kernels.registry import CANDIDATES, FOLD_THREADS, MMA_ROWS, Candidate  # noqa: E402
 from hostsim import STAGED_SOURCE, codebook_index  # noqa: E402
@@ -44,52 +44,9 @@ SPEED_CODEBOOKS = ("Q4_0", *SUPERBLOCK)
 POISON = np.uint32(0x7FC0DEAD)  # a NaN no kernel writes
 
 
-@dataclass(frozen=True)
-class Planes:
-    """Device planes in the staged kernels' order; absent planes are null pointers."""
-
-    codebook: str
-    n: int
-    k: int
-    arrays: tuple[Any, ...]  # payload, high, scale (fp16 bits), min (fp16 bits), sub
-
-    @property
-    def args(self) -> tuple[Any, ...]:
-        return tuple(np.uint64(0) if a is None else a for a in self.arrays)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.arrays if a is not None)
-
-
-def upload(packed: layout.PackedWeights) -> Planes:
-    def put(a: np.ndarray | None, view: Any = None) -> Any:
-        return None if a is None else cp.asarray(a.view(view) if view else a)
-
-    return Planes(packed.codebook, packed.n, packed.k, (put(packed.payload), put(packed.high),
-                  put(packed.scale, np.uint16), put(packed.min, np.uint16), put(packed.sub)))
-
-
-def random_planes(codebook: str, n: int, k: int, rng: Any) -> Planes:
-    """Random codes and sub-block scales, finite fp16 scales in [1e-3, 1e-2): timing inputs (the shapes of
-    layout.pack's planes)."""
-    book, kb = get(codebook, runnable=False), k // BLOCK
-    rows = kb // 8 if book.superblock else kb
-
-    def halfs() -> Any:
-        return (rng.random((rows, n), dtype=cp.float32) * 9e-3 + 1e-3).astype(cp.float16).view(cp.uint16)
-
-    def words(*shape: int) -> Any:
-        return rng.integers(0, 2**32, size=shape, dtype=cp.uint64).astype(cp.uint32)
-
-    high = None
-    if book.high_bits:
-        high = words(kb, n, 2) if codebook == "Q6_K" else words(kb, n)
-    sub = None
-    if book.superblock:
-        sub = rng.integers(0, 256, size=(kb // 8, n, dict(book.layout)["sc"]), dtype=cp.uint64).astype(cp.uint8)
-    return Planes(codebook, n, k, (words(kb, n, book.payload_bytes // 4), high, halfs(),
-                                   halfs() if book.asymmetric else None, sub))
+@cache
+def staged_planes() -> tuple[str, ...]:
+    return program.declared_planes(STAGED_SOURCE.read_text())
 
 
 @cache
@@ -99,13 +56,13 @@ def module(codebook: str) -> Any:
     return cp.RawModule(code=STAGED_SOURCE.read_text(), options=program.CONTRACT_OPTIONS, name_expressions=names)
 
 
-def enqueue(c: Candidate, w: Planes, qact: Any, out: Any, ws: Any, stream: Any) -> None:
+def enqueue(c: Candidate, w: launch.DeviceWeights, qact: Any, out: Any, ws: Any, stream: Any) -> None:
     """The staged kernel of candidate `c` (and kpar's fold) on `stream`: y = W·x into `out`."""
     m, n, k = qact.m, w.n, w.k
     grid, block = c.launch_geometry(m, n, k)
     kernel = module(w.codebook).get_function(c.template_name(codebook_index(w.codebook), m))
     scalars = (np.int32(m), np.int32(n), np.int32(k // BLOCK), np.int32(c.partition_width(k)))
-    kernel(grid, block, (*w.args, *launch.storage(qact), *scalars, ws if c.grid_split else out),
+    kernel(grid, block, (*w.plane_args(staged_planes()), *launch.storage(qact), *scalars, ws if c.grid_split else out),
            shared_mem=c.shared_bytes(m), stream=stream)
     if c.grid_split:
         fold = module(w.codebook).get_function("fold_partials")
@@ -117,7 +74,7 @@ def poisoned(*shape: int) -> Any:
     return cp.full(shape, POISON, cp.uint32).view(cp.float32)
 
 
-def run(c: Candidate, w: Planes, qact: Any, stream: Any) -> Any:
+def run(c: Candidate, w: launch.DeviceWeights, qact: Any, stream: Any) -> Any:
     out, ws = poisoned(qact.m, w.n), poisoned(max(c.workspace_bytes(qact.m, w.n, w.k) // 4, 1))
     enqueue(c, w, qact, out, ws, stream)
     return out
@@ -141,8 +98,7 @@ def check_bytes(seed: int, stream: Any) -> dict[str, Any]:
             expected = {s: cp.asarray(emulate.gemv_quantized(packed, qa, s))
                         for s in sorted({c.split(k) for c in CANDIDATES if c.valid(1, n, k)})}
             with stream:
-                planes = upload(packed)
-                registered = launch.to_device(packed) if cb in CODEBOOKS else None
+                planes = launch.to_device(packed)
                 xs = cp.asarray(x)
             for m in BYTE_MS:
                 qact = launch.quantize_activations(xs[:m], stream)
@@ -153,10 +109,10 @@ def check_bytes(seed: int, stream: Any) -> dict[str, Any]:
                     compared += 1
                     if not same(got, expected[c.split(k)][:m]):
                         failures.append(f"{cb} {n}x{k} M={m} {c.id}: differs from the emulator")
-                    if registered is not None:
+                    if cb in CODEBOOKS:  # the registered kernel on the same planes
                         ref = poisoned(m, n)
                         ws = poisoned(max(c.workspace_bytes(m, n, k) // 4, 1))
-                        launch.gemv(c, registered, qact, ref, stream, workspace=ws if c.grid_split else None)
+                        launch.gemv(c, planes, qact, ref, stream, workspace=ws if c.grid_split else None)
                         if not same(got, ref):
                             failures.append(f"{cb} {n}x{k} M={m} {c.id}: differs from the registered kernel")
                 wide = next(c for c in CANDIDATES if c.family == "wide" and c.valid(m, n, k))
@@ -168,7 +124,8 @@ def check_bytes(seed: int, stream: Any) -> dict[str, Any]:
             "negative_controls_differing": sum(controls)}
 
 
-def time_cell(codebook: str, m: int, n: int, k: int, copies: list[Planes], stream: Any) -> dict[str, float]:
+def time_cell(codebook: str, m: int, n: int, k: int, copies: list[launch.DeviceWeights],
+              stream: Any) -> dict[str, float]:
     cands = [c for c in CANDIDATES if c.valid(m, n, k)]
     with stream:
         qact = launch.quantize_activations(cp.random.default_rng(m).standard_normal((m, k), dtype=cp.float32), stream)
@@ -201,9 +158,9 @@ def main() -> None:
         for cb in SPEED_CODEBOOKS:
             for n, k in ANCHORS:
                 rng = cp.random.default_rng(cell_seed(cb, n, k))
-                first = random_planes(cb, n, k, rng)
+                first = launch.random_weights(cb, n, k, rng)
                 more = copies_for_cold_l2(first.nbytes, l2) - 1
-                copies = [first, *(random_planes(cb, n, k, rng) for _ in range(more))]
+                copies = [first, *(launch.random_weights(cb, n, k, rng) for _ in range(more))]
                 stream.synchronize()
                 for m in SPEED_MS:
                     times = time_cell(cb, m, n, k, copies, stream)
