@@ -158,7 +158,7 @@ def typed_cells(inventories: Sequence[Inventory], codebooks: Sequence[str]) -> f
         wanted.update((cb, s.n, s.k) for cb in runnable or codebooks if cb in codebooks)
     if unrun:
         warnings.warn("no kernel runs " + ", ".join(f"{cb} ({count} shapes)" for cb, count in sorted(unrun.items()))
-                      + " yet: shapes stored only in those are swept in every codebook", stacklevel=2)
+                      + " yet: shapes stored only in those are swept in every codebook", stacklevel=3)
     if not wanted:
         raise InputError(f"the inventories ask for no shape in the codebooks asked for ({', '.join(codebooks)})")
     return frozenset(wanted)

@@ -424,8 +424,10 @@ def test_from_gguf_keeps_each_tensors_type(tmp_path):
     from gemv_dispatch.dispatch import sweep
     from gemv_dispatch.kernels.codebooks import CODEBOOKS
 
-    plan = sweep.parse_plan("all", "1", "graph", [out])
+    with pytest.warns(UserWarning, match=r"no kernel runs Q4_K \(4 shapes\), Q6_K \(3 shapes\) yet"):
+        plan = sweep.parse_plan("all", "1", "graph", [out])
     assert plan.codebooks == CODEBOOKS and set(plan.geometries) == set(inv.geometries())
+    assert len(plan.cells()) == len(CODEBOOKS) * len(inv.geometries())  # stored only in super-block types
     with pytest.raises(InputError, match="Q4_K has no GPU kernel yet"):
         sweep.parse_plan("Q4_K", "1", "graph", [out])
 
