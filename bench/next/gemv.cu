@@ -11,7 +11,8 @@
 //     direct  in-CTA, S >= 2 partitions          (p = threadIdx.y), partials meet in shared memory
 //     kpar    GRID_SPLIT, S partitions over CTAs (p = blockIdx.y), partials to workspace [S][M][N],
 //             folded by fold_partials
-//   gemv_mma<CB, NT, MTILES, GRID_SPLIT>  int8 tensor cores, a warp owns 8*NT outputs; wide and kpar
+//   gemv_mma<CB, NT, MTILES, GRID_SPLIT>  int8 tensor cores, a warp owns 8*NT outputs; wide and kpar; operands
+//     through a cp.async ring in shared memory (mma_ring) or prefetched in registers (mma_registers)
 //   quantize_activations: x float32 [M][K] -> q int8 [KB][M][32], d_a float [KB][M], sum_a int [KB][M]
 //     (block-major like the weights: the M rows of one block are adjacent, so a warp's fragment loads coalesce)
 //
@@ -55,6 +56,8 @@ struct Traits {
     // Columns a dp4a thread decodes at once: a paired format's group holds 2-4 payload rows (and Q5_K the
     // super-block's 8 qh words) per column, so those walk their CPT columns one (Q6_K) or two at a time.
     static constexpr int COLUMNS = CB == Q6_K ? 1 : (GROUP > 1 ? 2 : 16);
+    // The tensor-core engine streams the operands through a shared-memory ring (mma_ring), else registers.
+    static constexpr bool RING = !SUPER && CB != Q8_0;
 };
 
 #ifndef GEMV_HOSTSIM
@@ -526,11 +529,75 @@ __device__ __forceinline__ TileSuper load_tile_super(const Planes& P, int b0, u6
     return s;
 }
 
-// A warp owns 8*NT consecutive outputs (N % 8 == 0, so a tile is wholly in or out) and M tiles of
-// 16*MTILES rows. Weights of DEPTH groups are loaded before any is used: 32 registers of loads in flight
-// per lane keep HBM busy. No barriers, so a warp past N returns.
+// One block's contribution to one 8-output tile of a warp, both engines: the mma (two for Q6_K's halves) of each
+// M tile with the tile's decoded B words `lo`, `hi`, then the terms of the lane's C values in the contract's
+// order. `a`, `rows`: the A fragments and row data of the lane's C rows g and g+8 of each M tile.
+template <int CB, int MTILES>
+__device__ __forceinline__ void mma_tile(const int (&a)[MTILES][4], const RowBlock<CB> (&rows)[MTILES][2], int lo,
+                                         int hi, const float (&d_w)[2][Traits<CB>::HALVES], const float (&m_w)[2],
+                                         int m0, int M, float (&acc)[MTILES][4]) {
+    constexpr int H = Traits<CB>::HALVES;
+#pragma unroll
+    for (int i = 0; i < MTILES; ++i) {
+        if (m0 + 16 * i >= M) break;  // warp-uniform
+        int c[H][4];
+        if (H == 2) {
+            mma_s8(a[i], lo, 0, c[0]);
+            mma_s8(a[i], 0, hi, c[H - 1]);
+        } else {
+            mma_s8(a[i], lo, hi, c[0]);
+        }
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            if (h == 1 && m0 + 16 * i + 8 >= M) break;  // warp-uniform: no rows g+8
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                int raw[H];
+#pragma unroll
+                for (int q = 0; q < H; ++q) raw[q] = c[q][2 * h + e];
+                acc[i][2 * h + e] = add_rn(acc[i][2 * h + e], rows[i][h].term(raw, d_w[e], m_w[e]));
+            }
+        }
+    }
+}
+
+// The warp's results for one M pass: C columns 2t, 2t+1 of rows g, g+8 of each tile, outputs from `n_first`; kpar
+// writes its partition's partials, wide the fold's 0 + acc (which turns -0 into +0, as S = 1 of §1 does).
+template <int NT, int MTILES, bool GRID_SPLIT>
+__device__ __forceinline__ void mma_store(const float (&acc)[NT][MTILES][4], float* __restrict__ out, int p, int m0,
+                                          int M, int N, int n_first, int tiles, int g, int t) {
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int i = 0; i < MTILES; ++i)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int r = m0 + 16 * i + 8 * h + g;
+                if (j >= tiles || r >= M) continue;
+                const u64 at = (GRID_SPLIT ? ((u64)p * M + r) : (u64)r) * N + n_first + 8 * j + 2 * t;
+                const float* y = acc[j][i] + 2 * h;
+                if (GRID_SPLIT)
+                    *reinterpret_cast<float2*>(out + at) = make_float2(y[0], y[1]);
+                else
+                    *reinterpret_cast<float2*>(out + at) = make_float2(add_rn(0.0f, y[0]), add_rn(0.0f, y[1]));
+            }
+}
+
+template <int NT, int MTILES>
+__device__ __forceinline__ void zero(float (&acc)[NT][MTILES][4]) {
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int i = 0; i < MTILES; ++i)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[j][i][e] = 0.0f;
+}
+
+// Register engine: a warp owns 8*NT consecutive outputs (N % 8 == 0, so a tile is wholly in or out) and M tiles
+// of 16*MTILES rows. Weights of DEPTH groups are loaded before any is used: 32 registers of loads in flight per
+// lane keep HBM busy. No barriers, so a warp past N returns.
 template <int CB, int NT, int MTILES, bool GRID_SPLIT>
-__global__ void gemv_mma(GEMV_PARAMS) {
+__device__ __forceinline__ void mma_registers(GEMV_PARAMS) {
     typedef Traits<CB> T;
     constexpr int G = T::GROUP, H = T::HALVES;
     constexpr int LANE_WORDS = G + (CB == Q8_0) + (T::SUPER ? 0 : 1 + T::ASYM) + T::HIGH + 2 * (CB == Q6_K);
@@ -549,13 +616,8 @@ __global__ void gemv_mma(GEMV_PARAMS) {
     const int g_begin = b_begin / G, g_end = (b_end + G - 1) / G;
 
     for (int m0 = 0; m0 < M; m0 += 16 * MTILES) {
-        float acc[MTILES][NT][4];
-#pragma unroll
-        for (int i = 0; i < MTILES; ++i)
-#pragma unroll
-            for (int j = 0; j < NT; ++j)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+        float acc[NT][MTILES][4];
+        zero(acc);
         TileSuper sup[NT];
 
         for (int gr0 = g_begin; gr0 < g_end; gr0 += DEPTH) {
@@ -639,50 +701,205 @@ __global__ void gemv_mma(GEMV_PARAMS) {
                                 m_w[e] = half_bits_to_float((u16)(x.mins >> (16 * e)));
                             }
                         }
-#pragma unroll
-                        for (int i = 0; i < MTILES; ++i) {
-                            if (m0 + 16 * i >= M) break;  // warp-uniform
-                            int c[H][4];
-                            if (H == 2) {
-                                mma_s8(a[i], lo, 0, c[0]);
-                                mma_s8(a[i], 0, hi, c[H - 1]);
-                            } else {
-                                mma_s8(a[i], lo, hi, c[0]);
-                            }
-#pragma unroll
-                            for (int h = 0; h < 2; ++h) {
-                                if (h == 1 && m0 + 16 * i + 8 >= M) break;  // warp-uniform: no rows g+8
-#pragma unroll
-                                for (int e = 0; e < 2; ++e) {
-                                    int raw[H];
-#pragma unroll
-                                    for (int q = 0; q < H; ++q) raw[q] = c[q][2 * h + e];
-                                    float& y = acc[i][j][2 * h + e];
-                                    y = add_rn(y, rows[i][h].term(raw, d_w[e], m_w[e]));
-                                }
-                            }
-                        }
+                        mma_tile<CB, MTILES>(a, rows, lo, hi, d_w, m_w, m0, M, acc[j]);
                     }
                 }
             }
         }
-
-#pragma unroll
-        for (int i = 0; i < MTILES; ++i)
-#pragma unroll
-            for (int j = 0; j < NT; ++j)
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const int r = m0 + 16 * i + 8 * h + g;
-                    if (j >= tiles || r >= M) continue;
-                    const u64 at = (GRID_SPLIT ? ((u64)p * M + r) : (u64)r) * N + n_warp + 8 * j + 2 * t;
-                    const float* y = acc[i][j] + 2 * h;
-                    if (GRID_SPLIT)
-                        *reinterpret_cast<float2*>(out + at) = make_float2(y[0], y[1]);
-                    else
-                        *reinterpret_cast<float2*>(out + at) = make_float2(add_rn(0.0f, y[0]), add_rn(0.0f, y[1]));
-                }
+        mma_store<NT, MTILES, GRID_SPLIT>(acc, out, p, m0, M, N, n_warp, tiles, g, t);
     }
+}
+
+// Ring engine (bench/NOTES.md, version 9): every operand streamed into shared memory by cp.async through a 3-deep
+// ring of K chunks, so bytes stay in flight while the warps compute, at no register cost. A CTA is 4 warps, 8*NT
+// outputs each; a chunk holds KC blocks of the CTA's payload, scales (mins, high bits) and the M tile's
+// activation rows, padded to 48 bytes so the fragment loads are conflict-free. Rows past M and outputs past N
+// are zero-filled by the copy itself (src-size 0). One barrier per chunk; every loop has a compile-time trip
+// count. Legacy formats with 16-byte payloads only (Traits::RING).
+#ifndef GEMV_HOSTSIM
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(gmem), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem, bool valid) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(s), "l"(gmem), "r"(valid ? 4 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
+#else  // the host's copies complete at once
+inline void cp_async16(void* smem, const void* gmem, bool valid) { valid ? (void)std::memcpy(smem, gmem, 16) : (void)std::memset(smem, 0, 16); }
+inline void cp_async4(void* smem, const void* gmem, bool valid) { valid ? (void)std::memcpy(smem, gmem, 4) : (void)std::memset(smem, 0, 4); }
+inline void cp_async_commit() {}
+template <int N>
+inline void cp_async_wait() {}
+#endif
+
+constexpr int RING_THREADS = 128;  // the registry's mma candidates' CTA
+constexpr int RING_STAGES = 3;
+constexpr int ROW_WORDS = 12;  // a 32-byte row + 16 bytes of padding: rows g = 0..7 land on distinct banks
+constexpr int RING_SHARED = 48 * 1024;  // static shared memory per CTA
+
+// One chunk's layout in shared memory, in 32-bit words (every part a multiple of 4 words: 16-byte aligned).
+template <int CB, int NT, int MTILES, int KC_>
+struct Chunk {
+    typedef Traits<CB> T;
+    static constexpr int KC = KC_, OUT = RING_THREADS / 32 * 8 * NT, ROWS = 16 * MTILES;
+    static constexpr int PAY = KC * OUT * T::WORDS;
+    static constexpr int SCALE = KC * OUT / 2, MIN = T::ASYM ? SCALE : 0, HIGH = T::HIGH ? KC * OUT : 0;
+    static constexpr int Q = KC * ROWS * ROW_WORDS, D = KC * ROWS, S = KC * ROWS;
+    static constexpr int pay = 0, scale = pay + PAY, min = scale + SCALE, high = min + MIN, q = high + HIGH;
+    static constexpr int d = q + Q, s = d + D, words = s + S;
+};
+
+// Blocks per chunk: 8, else 4, else 2, whichever ring fits the static shared-memory limit.
+template <int CB, int NT, int MTILES>
+struct RingShape {
+    static constexpr int KC = RING_STAGES * Chunk<CB, NT, MTILES, 8>::words * 4 <= RING_SHARED ? 8
+                            : RING_STAGES * Chunk<CB, NT, MTILES, 4>::words * 4 <= RING_SHARED ? 4 : 2;
+    typedef Chunk<CB, NT, MTILES, KC> C;
+};
+
+template <int CB, int NT, int MTILES, bool GRID_SPLIT>
+__device__ __forceinline__ void mma_ring(GEMV_PARAMS) {
+    typedef Traits<CB> T;
+    typedef typename RingShape<CB, NT, MTILES>::C C;
+    constexpr int KC = C::KC, OUT = C::OUT, ROWS = C::ROWS, ST = RING_STAGES, PIECES = T::WORDS / 4;
+    __shared__ __align__(16) u32 ring[ST][C::words];
+
+    const int tid = threadIdx.x, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const int n_cta = blockIdx.x * OUT;
+    const int o_warp = (tid >> 5) * 8 * NT;
+    const int tiles = n_cta + o_warp < N ? min(NT, (N - n_cta - o_warp) / 8) : 0;  // warp-uniform
+    const int p = GRID_SPLIT ? blockIdx.y : 0;
+    const int b_begin = p * width;
+    const int b_end = min(KB, b_begin + width);
+    const int chunks = (b_end - b_begin + KC - 1) / KC;
+
+    for (int m0 = 0; m0 < M; m0 += ROWS) {
+        // Chunk c into ring slot c % ST: 16-byte pieces, consecutive threads on consecutive pieces.
+        auto issue = [&](int c) {
+            u32* slot = ring[c % ST];
+            const int b0 = b_begin + c * KC, cn = min(KC, b_end - b0);
+            constexpr int PAY_PIECES = KC * OUT * PIECES;
+#pragma unroll
+            for (int i = 0; i < (PAY_PIECES + RING_THREADS - 1) / RING_THREADS; ++i) {
+                const int e = tid + i * RING_THREADS;
+                const int u = e / (OUT * PIECES), o = e / PIECES % OUT, piece = e % PIECES;
+                const bool ok = e < PAY_PIECES && u < cn && n_cta + o < N;
+                const u32* src = payload + ((u64)(b0 + u) * N + n_cta + o) * T::WORDS + 4 * piece;
+                if (e < PAY_PIECES) cp_async16(slot + C::pay + (u * OUT + o) * T::WORDS + 4 * piece, ok ? src : payload, ok);
+            }
+            constexpr int SCALE_PIECES = KC * OUT / 8;
+#pragma unroll
+            for (int i = 0; i < (SCALE_PIECES + RING_THREADS - 1) / RING_THREADS; ++i) {
+                const int e = tid + i * RING_THREADS;
+                const int u = e / (OUT / 8), o = e % (OUT / 8) * 8;
+                const bool ok = e < SCALE_PIECES && u < cn && n_cta + o < N;
+                const u64 at = (u64)(b0 + u) * N + n_cta + o;
+                if (e < SCALE_PIECES) {
+                    cp_async16(slot + C::scale + (u * OUT + o) / 2, ok ? scale + at : scale, ok);
+                    if (T::ASYM) cp_async16(slot + C::min + (u * OUT + o) / 2, ok ? minv + at : minv, ok);
+                }
+            }
+            if (T::HIGH) {
+                constexpr int HIGH_PIECES = KC * OUT / 4;
+#pragma unroll
+                for (int i = 0; i < (HIGH_PIECES + RING_THREADS - 1) / RING_THREADS; ++i) {
+                    const int e = tid + i * RING_THREADS;
+                    const int u = e / (OUT / 4), o = e % (OUT / 4) * 4;
+                    const bool ok = e < HIGH_PIECES && u < cn && n_cta + o < N;
+                    const u64 at = (u64)(b0 + u) * N + n_cta + o;
+                    if (e < HIGH_PIECES) cp_async16(slot + C::high + u * OUT + o, ok ? high + at : high, ok);
+                }
+            }
+            constexpr int Q_PIECES = KC * ROWS * 2;
+#pragma unroll
+            for (int i = 0; i < (Q_PIECES + RING_THREADS - 1) / RING_THREADS; ++i) {
+                const int e = tid + i * RING_THREADS;
+                const int u = e / (ROWS * 2), r = e / 2 % ROWS, half = e & 1;
+                const bool ok = e < Q_PIECES && u < cn && m0 + r < M;
+                const int* src = qa + ((u64)(b0 + u) * M + m0 + r) * 8 + 4 * half;
+                if (e < Q_PIECES) cp_async16(slot + C::q + (u * ROWS + r) * ROW_WORDS + 4 * half, ok ? src : qa, ok);
+            }
+            constexpr int D_COPIES = KC * ROWS;
+#pragma unroll
+            for (int i = 0; i < (D_COPIES + RING_THREADS - 1) / RING_THREADS; ++i) {
+                const int e = tid + i * RING_THREADS;
+                const int u = e / ROWS, r = e % ROWS;
+                const bool ok = e < D_COPIES && u < cn && m0 + r < M;
+                const u64 ab = (u64)(b0 + u) * M + m0 + r;
+                if (e < D_COPIES) {
+                    cp_async4(slot + C::d + e, ok ? da + ab : da, ok);
+                    cp_async4(slot + C::s + e, ok ? sa + ab : sa, ok);
+                }
+            }
+        };
+
+        float acc[NT][MTILES][4];
+        zero(acc);
+#pragma unroll
+        for (int c = 0; c < ST - 1; ++c) {
+            if (c < chunks) issue(c);
+            cp_async_commit();  // empty groups keep the count of pending groups uniform
+        }
+        for (int c = 0; c < chunks; ++c) {
+            cp_async_wait<ST - 2>();
+            __syncthreads();  // chunk c has landed for every thread; slot (c - 1) % ST is free
+            if (c + ST - 1 < chunks) issue(c + ST - 1);
+            cp_async_commit();
+            if (tiles == 0) continue;
+            const u32* slot = ring[c % ST];
+            const int cn = min(KC, b_end - b_begin - c * KC);
+#pragma unroll
+            for (int u = 0; u < KC; ++u) {
+                if (u >= cn) break;  // block-uniform
+                int a[MTILES][4];
+                RowBlock<CB> rows[MTILES][2];
+#pragma unroll
+                for (int i = 0; i < MTILES; ++i)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const int r = 16 * i + 8 * h + g;  // zero-filled past M
+                        const u32* q = slot + C::q + (u * ROWS + r) * ROW_WORDS;
+                        a[i][h] = (int)q[t];
+                        a[i][2 + h] = (int)q[4 + t];
+                        rows[i][h] = RowBlock<CB>::of(__uint_as_float(slot[C::d + u * ROWS + r]),
+                                                      (int)slot[C::s + u * ROWS + r]);
+                    }
+#pragma unroll
+                for (int j = 0; j < NT; ++j) {
+                    if (j >= tiles) break;  // warp-uniform
+                    const int o = o_warp + 8 * j + g;
+                    const u32* w = slot + C::pay + (u * OUT + o) * T::WORDS;
+                    const u32 hb = T::HIGH ? slot[C::high + u * OUT + o] : 0u;
+                    const int pair = (u * OUT + o_warp + 8 * j) / 2 + t;  // scales of outputs 2t, 2t+1 of the tile
+                    const u32 scales = slot[C::scale + pair];
+                    const u32 mins = T::ASYM ? slot[C::min + pair] : 0u;
+                    int lo, hi;
+                    decode_word<CB>(w[t], 0u, hb, t, lo, hi);
+                    const float d_w[2][1] = {{half_bits_to_float(scales & 0xFFFFu)}, {half_bits_to_float(scales >> 16)}};
+                    const float m_w[2] = {half_bits_to_float(mins & 0xFFFFu), half_bits_to_float(mins >> 16)};
+                    mma_tile<CB, MTILES>(a, rows, lo, hi, d_w, m_w, m0, M, acc[j]);
+                }
+            }
+        }
+        cp_async_wait<0>();
+        __syncthreads();  // the next M pass refills the ring
+        mma_store<NT, MTILES, GRID_SPLIT>(acc, out, p, m0, M, N, n_cta + o_warp, tiles, g, t);
+    }
+}
+
+// The tensor-core candidates (wide S = 1, kpar GRID_SPLIT): the ring engine for the legacy 16-byte-payload
+// formats, registers for Q8_0 (a ring chunk holds too few of its 32-byte blocks: bench/NOTES.md version 9) and
+// the super-block formats. Both engines give the contract's bytes; the candidates' geometry is the same.
+template <int CB, int NT, int MTILES, bool GRID_SPLIT>
+__global__ void __launch_bounds__(RING_THREADS) gemv_mma(GEMV_PARAMS) {
+    if constexpr (Traits<CB>::RING)
+        mma_ring<CB, NT, MTILES, GRID_SPLIT>(payload, high, scale, minv, sub, qa, da, sa, M, N, KB, width, out);
+    else
+        mma_registers<CB, NT, MTILES, GRID_SPLIT>(payload, high, scale, minv, sub, qa, da, sa, M, N, KB, width, out);
 }
 
 // kpar's second launch: y = ((0 + acc_0) + acc_1) + ... over the workspace [S][count].
