@@ -86,6 +86,12 @@ def same(a: Any, b: Any) -> bool:
 
 
 def check_bytes(seed: int, stream: Any) -> dict[str, Any]:
+    """Every device operation on `stream` (allocations, poison, comparisons), so each is ordered with the launches."""
+    with stream:
+        return _check_bytes(seed, stream)
+
+
+def _check_bytes(seed: int, stream: Any) -> dict[str, Any]:
     rng = np.random.default_rng(seed)
     compared, failures, controls = 0, [], []
     for cb in FORMATS:
@@ -98,9 +104,8 @@ def check_bytes(seed: int, stream: Any) -> dict[str, Any]:
             qa = emulate.quantize_activations(x)
             expected = {s: cp.asarray(emulate.gemv_quantized(packed, qa, s))
                         for s in sorted({c.split(k) for c in CANDIDATES if c.valid(1, n, k)})}
-            with stream:
-                planes = launch.to_device(packed)
-                xs = cp.asarray(x)
+            planes = launch.to_device(packed)
+            xs = cp.asarray(x)
             for m in BYTE_MS:
                 qact = launch.quantize_activations(xs[:m], stream)
                 for c in CANDIDATES:
@@ -164,9 +169,10 @@ def main() -> None:
         for cb in SPEED_CODEBOOKS:
             for n, k in ANCHORS:
                 rng = cp.random.default_rng(cell_seed(cb, n, k))
-                first = launch.random_weights(cb, n, k, rng)
-                more = copies_for_cold_l2(first.nbytes, l2) - 1
-                copies = [first, *(launch.random_weights(cb, n, k, rng) for _ in range(more))]
+                with stream:
+                    first = launch.random_weights(cb, n, k, rng)
+                    more = copies_for_cold_l2(first.nbytes, l2) - 1
+                    copies = [first, *(launch.random_weights(cb, n, k, rng) for _ in range(more))]
                 stream.synchronize()
                 for m in SPEED_MS:
                     times = time_cell(cb, m, n, k, copies, stream)
