@@ -32,7 +32,6 @@ STAGED_SOURCE = REPO / "bench" / "next" / "gemv.cu"
 FLAGS = ("-std=c++20", "-O1", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared", "-w")
 
 
-
 def codebook_index(codebook: str) -> int:
     """The kernel source's `Codebook` enum value: the format's place in kernels.codebooks.FORMATS."""
     return FORMATS.index(codebook)
@@ -50,7 +49,7 @@ def unit(source: Path, kernel_names: tuple[str, ...]) -> str:
     text = source.read_text()
     rows = [("fold_partials", "fold_entry"), ("quantize_activations", "quantize_entry"),
             *((name, f"gemv_entry<&{name}>") for name in kernel_names)]
-    table = ",\n".join(f'    {{"{name}", {entry}}}' for name, entry in rows)
+    table = ",\n".join(f'    {{"{name}", {run}}}' for name, run in rows)
     return (f'#define GEMV_HOSTSIM 1\n#include "{HERE / "cuda_host.h"}"\n#include "{source}"\n'
             f'#include "{HERE / "launcher.h"}"\n{entry(program.declared_signature(text))}'
             f"const Entry entries[] = {{\n{table}\n}};\nconst int entry_count = {len(rows)};\n")
