@@ -16,11 +16,11 @@ needs_nvcc = pytest.mark.skipif(
 )
 
 
-def assert_clean_build(build, names: list[str]) -> None:
+def assert_clean_build(build, names: list[str], helpers: tuple[str, ...] = program.HELPER_KERNELS) -> None:
     """Every kernel built, none with a stack frame or spills, within the register cap, no flushing float op."""
     report = build.resources
     by_name = {r.name: r for r in report}
-    assert set(names) | set(program.HELPER_KERNELS) == set(by_name), "ptxas reported other kernels than built"
+    assert set(names) | set(helpers) == set(by_name), "ptxas reported other kernels than built"
     offenders = [r for r in report if r.stack_bytes or r.spill_store_bytes or r.spill_load_bytes]
     assert not offenders, f"stack frame or spills: {offenders}"
     # Registers per thread, recorded in the test log (pytest -rA shows it).
@@ -45,17 +45,19 @@ def test_staged_source_compiles_spill_free_for_sm90():
     names = sorted({c.template_name(hostsim.codebook_index(cb), m)
                     for cb in FORMATS for c in CANDIDATES for m in range(1, 2 * MMA_ROWS + 1)})
     text = program.explicit_instantiations(names, hostsim.STAGED_SOURCE.read_text())
-    assert_clean_build(compile_unit(text, "sm_90"), names)
+    assert_clean_build(compile_unit(text, "sm_90"), names, helpers=("quantize_activations",))  # kpar folds itself
 
 
-@pytest.mark.parametrize(("text", "planes"), [(program.source(), 4), (hostsim.STAGED_SOURCE.read_text(), 5)])
-def test_both_engines_declare_the_parameters_the_launchers_pass(text, planes):
-    """The planes, three activation arrays, M, N, KB and the partition width, the output: what kernels.launch
-    (registered source) and tests/hostsim (staged) pass, in that order."""
+@pytest.mark.parametrize(("text", "planes", "outputs"),
+                         [(program.source(), 4, 1), (hostsim.STAGED_SOURCE.read_text(), 5, 2)])
+def test_both_engines_declare_the_parameters_the_launchers_pass(text, planes, outputs):
+    """The planes, three activation arrays, M, N, KB and the partition width, the output (staged: and kpar's
+    workspace): what kernels.launch (registered source) and tests/hostsim (staged) pass, in that order."""
     want = program.declared_signature(text, "gemv_partial")
     assert program.declared_signature(text, "gemv_mma") == want
     types = want.strip("()").split(", ")
-    assert types[planes:] == ["const int*", "const float*", "const int*", "int", "int", "int", "int", "float*"]
+    assert types[planes:] == ["const int*", "const float*", "const int*", "int", "int", "int", "int",
+                              *["float*"] * outputs]
     assert all(t.startswith("const u") for t in types[:planes])
     assert len(program.declared_planes(text)) == planes
     assert set(program.declared_planes(text)) <= set(launch.PLANE_FIELDS), "a plane kernels.launch cannot pass"

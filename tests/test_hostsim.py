@@ -93,6 +93,21 @@ def test_staged_kernels_equal_the_emulator(sim, codebook, kind):
         assert np.isfinite(expected[1][:-1]).mean() > 0.9
 
 
+def test_kpar_candidates_share_one_workspace(sim):
+    """The one-launch kpar leaves its tickets zero, ahead of the partials: candidates of every split and CTA
+    width can take turns on one workspace (as the sweep's interleaved rounds do), twice over."""
+    value = seed()
+    packed = pack("Q4_0", weights("Q4_0", N, K // BLOCK, value, "gaussian"), N, K)
+    qa = emulate.quantize_activations(activations(16, np.random.default_rng(value)))
+    kpar = [c for c in valid(16) if c.grid_split]
+    assert len({c.split(K) for c in kpar}) >= 3 and {c.engine for c in kpar} == {"dp4a", "mma"}
+    ws = np.zeros(hostsim.ticket_words(N) + max(c.workspace_bytes(16, N, K) for c in kpar) // 4, np.float32)
+    for _ in range(2):
+        for cand in kpar:
+            want = emulate.gemv_quantized(packed, qa, cand.split(K))
+            assert_same_bits(sim.gemv(cand, packed, qa, POISON, ws), want, cand.id)
+
+
 def test_activation_kernel_equals_the_emulator(sim):
     rng = np.random.default_rng(seed())
     x = activations(5, rng)

@@ -33,8 +33,8 @@ from gemv_dispatch.dispatch.timing import CupyBackend, cell_seed, copies_for_col
 from gemv_dispatch.kernels import emulate, launch, layout, program  # noqa: E402
 from gemv_dispatch.kernels.codebooks import CODEBOOKS, FORMATS, SUPERBLOCK, quantize  # noqa: E402
 from gemv_dispatch.kernels.errors import BLOCK  # noqa: E402
-from gemv_dispatch.kernels.registry import CANDIDATES, FOLD_THREADS, MMA_ROWS, Candidate  # noqa: E402
-from hostsim import STAGED_SOURCE, codebook_index  # noqa: E402
+from gemv_dispatch.kernels.registry import CANDIDATES, MMA_ROWS, Candidate  # noqa: E402
+from hostsim import STAGED_SOURCE, codebook_index, ticket_words  # noqa: E402
 
 from kernels import CONFIG, TorchBackend, read_ceiling, time_baselines  # noqa: E402
 
@@ -57,18 +57,21 @@ def module(codebook: str) -> Any:
     return cp.RawModule(code=STAGED_SOURCE.read_text(), options=program.CONTRACT_OPTIONS, name_expressions=names)
 
 
+def workspace_floats(c: Candidate, m: int, n: int, k: int) -> int:
+    """kpar's workspace in the staged kernels: the tickets (ticket_words), then the partials [S][M][N]."""
+    return ticket_words(n) + c.workspace_bytes(m, n, k) // 4 if c.grid_split else 0
+
+
 def enqueue(c: Candidate, w: launch.DeviceWeights, qact: Any, out: Any, ws: Any, stream: Any) -> None:
-    """The staged kernel of candidate `c` (and kpar's fold) on `stream`: y = W·x into `out`."""
+    """The staged kernel of candidate `c` on `stream`: y = W·x into `out`; kpar folds in the same launch through
+    `ws` (workspace_floats, tickets zero), which it leaves zero."""
     m, n, k = qact.m, w.n, w.k
     grid, block = c.launch_geometry(m, n, k)
     kernel = module(w.codebook).get_function(c.template_name(codebook_index(w.codebook), m))
     scalars = (np.int32(m), np.int32(n), np.int32(k // BLOCK), np.int32(c.partition_width(k)))
-    kernel(grid, block, (*w.plane_args(staged_planes()), *launch.storage(qact), *scalars, ws if c.grid_split else out),
+    kernel(grid, block, (*w.plane_args(staged_planes()), *launch.storage(qact), *scalars, out,
+                         ws if c.grid_split else np.uint64(0)),
            shared_mem=c.shared_bytes(m), stream=stream)
-    if c.grid_split:
-        fold = module(w.codebook).get_function("fold_partials")
-        fold((-(-m * n // FOLD_THREADS),), (FOLD_THREADS,), (ws, np.int32(c.split(k)), np.int32(m * n), out),
-             stream=stream)
 
 
 def poisoned(*shape: int) -> Any:
@@ -76,8 +79,15 @@ def poisoned(*shape: int) -> Any:
 
 
 def run(c: Candidate, w: launch.DeviceWeights, qact: Any, stream: Any) -> Any:
-    out, ws = poisoned(qact.m, w.n), poisoned(max(c.workspace_bytes(qact.m, w.n, w.k) // 4, 1))
+    """A poisoned output, and for kpar a workspace of poisoned partials and zero tickets, which must stay zero."""
+    m, n, k = qact.m, w.n, w.k
+    out, ws = poisoned(m, n), None
+    if c.grid_split:
+        ws = poisoned(workspace_floats(c, m, n, k))
+        ws[: ticket_words(n)] = 0
     enqueue(c, w, qact, out, ws, stream)
+    if ws is not None and bool(ws[: ticket_words(n)].view(cp.uint32).any()):
+        raise AssertionError(f"{c.id}: the kpar tickets were not reset")
     return out
 
 
@@ -138,11 +148,15 @@ def time_cell(codebook: str, m: int, n: int, k: int, copies: list[launch.DeviceW
     with stream:
         qact = launch.quantize_activations(cp.random.default_rng(m).standard_normal((m, k), dtype=cp.float32), stream)
         out = cp.empty((m, n), cp.float32)
-        ws = cp.empty(max(max(c.workspace_bytes(m, n, k) for c in cands) // 4, 1), cp.float32)
+        # Zeros: the staged kpar's tickets start at zero and every launch leaves them so; the registered kpar
+        # launches write their partials from the start of it, over the staged tickets, so they get their own.
+        ws = cp.zeros(max(max(workspace_floats(c, m, n, k) for c in cands), 1), cp.float32)
     launches = {c.id: (lambda i, c=c: enqueue(c, copies[i], qact, out, ws, stream)) for c in cands}
     if codebook in CODEBOOKS:
-        launches |= {f"registered:{c.id}": launch.bind(c, copies, qact, out, stream, ws if c.grid_split else None)
-                     for c in cands}
+        with stream:
+            ws_registered = cp.empty(max(max(c.workspace_bytes(m, n, k) for c in cands) // 4, 1), cp.float32)
+        launches |= {f"registered:{c.id}": launch.bind(c, copies, qact, out, stream,
+                                                       ws_registered if c.grid_split else None) for c in cands}
     config = replace(CONFIG, mode="graph")
     stats = time_candidates(launches, len(copies), config, CupyBackend(stream), seed=cell_seed(codebook, m, n, k))
     return {cid: s.median_us for cid, s in stats.items()}

@@ -9,8 +9,8 @@
 //   gemv_partial<CB, CPT, MT, GRID_SPLIT>  dp4a, a thread owns CPT outputs and MT rows
 //     wide    in-CTA, S = 1                      (p = threadIdx.y = 0)
 //     direct  in-CTA, S >= 2 partitions          (p = threadIdx.y), partials meet in shared memory
-//     kpar    GRID_SPLIT, S partitions over CTAs (p = blockIdx.y), partials to workspace [S][M][N],
-//             folded by fold_partials
+//     kpar    GRID_SPLIT, S partitions over CTAs (p = blockIdx.y), partials to workspace [S][M][N], folded in
+//             the same launch by the last CTA of each column range (fold_last)
 //   gemv_mma<CB, NT, MTILES, GRID_SPLIT>  int8 tensor cores, a warp owns 8*NT outputs; wide and kpar; operands
 //     through a cp.async ring in shared memory (mma_ring) or prefetched in registers (mma_registers)
 //   quantize_activations: x float32 [M][K] -> q int8 [KB][M][32], d_a float [KB][M], sum_a int [KB][M]
@@ -292,13 +292,50 @@ struct Planes {
 };
 
 // The parameters of every GEMV kernel, in the launchers' order (kernels.program.declared_signature reads them):
-// the planes, the block-major activations (q, d_a, sum_a), M, N, KB, the partition width, and the output (kpar:
-// its workspace [S][M][N]).
+// the planes, the block-major activations (q, d_a, sum_a), M, N, KB, the partition width, the output y [M][N],
+// and kpar's workspace (null for the one-CTA families): ticket_words(N) u32 ticket counters, one per CTA column,
+// zero before the first launch (each launch leaves them zero), then the partials [S][M][N] fp32. The tickets sit
+// first, at a size fixed by N, so candidates of any S and CTA width can share one workspace.
 #define GEMV_PARAMS                                                                                        \
     const u32* __restrict__ payload, const u32* __restrict__ high, const u16* __restrict__ scale,          \
         const u16* __restrict__ minv, const unsigned char* __restrict__ sub, const int* __restrict__ qa,     \
         const float* __restrict__ da, const int* __restrict__ sa, int M, int N, int KB, int width,        \
-        float* __restrict__ out
+        float* __restrict__ out, float* __restrict__ ws
+
+// One ticket per 8 outputs bounds the CTA columns of every candidate; a multiple of 4 words keeps the partials
+// 16-byte aligned.
+__device__ __forceinline__ int ticket_words(int N) { return ((N + 7) / 8 + 3) / 4 * 4; }
+
+// kpar's fold, in the kernel: every CTA has written its partition's partials of the columns
+// [col_begin, col_begin + cols) to the workspace; the one that draws the last ticket of its column range (an
+// integer counter: no float atomics) folds y = ((0 + acc_0) + acc_1) + ... in ascending p, the contract's order,
+// and resets the counter for the next launch.
+#ifndef GEMV_HOSTSIM
+__device__ __forceinline__ float load_l2(const float* p) { return __ldcg(p); }  // written by other SMs: not L1
+#else
+inline float load_l2(const float* p) { return *p; }
+#endif
+__device__ __forceinline__ void fold_last(float* __restrict__ ws, float* __restrict__ out, int S, int M, int N,
+                                          int col_begin, int cols) {
+    unsigned* tickets = reinterpret_cast<unsigned*>(ws);
+    const float* partials = ws + ticket_words(N);
+    const int tid = threadIdx.x + blockDim.x * threadIdx.y, threads = blockDim.x * blockDim.y;
+    __threadfence();  // this thread's partials are visible device-wide before its CTA's ticket
+    __syncthreads();
+    // One thread draws the ticket; the barrier's vote tells every thread (no shared memory: the ring uses it all).
+    const bool drew_last = tid == 0 && atomicAdd(tickets + blockIdx.x, 1u) == (unsigned)(S - 1);
+    if (!__syncthreads_or(drew_last)) return;
+    __threadfence();
+    for (int i = tid; i < M * cols; i += threads) {
+        const int r = i / cols, c = col_begin + i % cols;
+        if (c >= N) continue;
+        const u64 at = (u64)r * N + c;
+        float y = 0.0f;
+        for (int q = 0; q < S; ++q) y = add_rn(y, load_l2(partials + (u64)q * M * N + at));
+        out[at] = y;
+    }
+    if (tid == 0) tickets[blockIdx.x] = 0u;  // every CTA of the range has drawn its ticket
+}
 
 // One column's weights for one group of blocks (dp4a engine): the group's payload rows, its high bits, and the
 // scales of its blocks (legacy: read from the planes; super-block formats: derived per block).
@@ -445,7 +482,8 @@ __global__ void gemv_partial(GEMV_PARAMS) {
                 for (int r = 0; r < MT; ++r)
                     if (r < rows)
 #pragma unroll
-                        for (int c = 0; c < CPT; ++c) out[((u64)p * M + m0 + r) * N + col0 + c] = acc[r][c];
+                        for (int c = 0; c < CPT; ++c)
+                            ws[ticket_words(N) + ((u64)p * M + m0 + r) * N + col0 + c] = acc[r][c];
         } else {
             const int stride = blockDim.x * CPT;
             const int lcol = threadIdx.x * CPT;
@@ -471,6 +509,7 @@ __global__ void gemv_partial(GEMV_PARAMS) {
             if (S > 1) __syncthreads();  // the partials are reused by the next row tile
         }
     }
+    if constexpr (GRID_SPLIT) fold_last(ws, out, S, M, N, blockIdx.x * blockDim.x * CPT, blockDim.x * CPT);
 }
 
 // Tensor-core engine, a launch choice of wide (S = 1) and kpar (GRID_SPLIT): mma.sync m16n8k32 s8 yields a
@@ -595,7 +634,7 @@ __device__ __forceinline__ void zero(float (&acc)[NT][MTILES][4]) {
 
 // Register engine: a warp owns 8*NT consecutive outputs (N % 8 == 0, so a tile is wholly in or out) and M tiles
 // of 16*MTILES rows. Weights of DEPTH groups are loaded before any is used: 32 registers of loads in flight per
-// lane keep HBM busy. No barriers, so a warp past N returns.
+// lane keep HBM busy. No barriers, so a warp past N returns (to the fold of gemv_mma).
 template <int CB, int NT, int MTILES, bool GRID_SPLIT>
 __device__ __forceinline__ void mma_registers(GEMV_PARAMS) {
     typedef Traits<CB> T;
@@ -608,7 +647,7 @@ __device__ __forceinline__ void mma_registers(GEMV_PARAMS) {
     const Planes P{payload, high, scale, minv, sub};
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int n_warp = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * 8 * NT;
-    if (n_warp >= N) return;
+    if (n_warp >= N) return;  // to gemv_mma, which may still fold
     const int tiles = min(NT, (N - n_warp) / 8);  // warp-uniform
     const int p = GRID_SPLIT ? blockIdx.y : 0;
     const int b_begin = p * width;
@@ -618,7 +657,7 @@ __device__ __forceinline__ void mma_registers(GEMV_PARAMS) {
     for (int m0 = 0; m0 < M; m0 += 16 * MTILES) {
         float acc[NT][MTILES][4];
         zero(acc);
-        TileSuper sup[NT];
+        TileSuper sup[NT];  // loaded before use: the first group of the partition is `fresh`
 
         for (int gr0 = g_begin; gr0 < g_end; gr0 += DEPTH) {
             TileWords<CB> tw[DEPTH][NT];
@@ -706,7 +745,7 @@ __device__ __forceinline__ void mma_registers(GEMV_PARAMS) {
                 }
             }
         }
-        mma_store<NT, MTILES, GRID_SPLIT>(acc, out, p, m0, M, N, n_warp, tiles, g, t);
+        mma_store<NT, MTILES, GRID_SPLIT>(acc, GRID_SPLIT ? ws + ticket_words(N) : out, p, m0, M, N, n_warp, tiles, g, t);
     }
 }
 
@@ -887,7 +926,8 @@ __device__ __forceinline__ void mma_ring(GEMV_PARAMS) {
         }
         cp_async_wait<0>();
         __syncthreads();  // the next M pass refills the ring
-        mma_store<NT, MTILES, GRID_SPLIT>(acc, out, p, m0, M, N, n_cta + o_warp, tiles, g, t);
+        mma_store<NT, MTILES, GRID_SPLIT>(acc, GRID_SPLIT ? ws + ticket_words(N) : out, p, m0, M, N, n_cta + o_warp, tiles,
+                                          g, t);
     }
 }
 
@@ -897,18 +937,14 @@ __device__ __forceinline__ void mma_ring(GEMV_PARAMS) {
 template <int CB, int NT, int MTILES, bool GRID_SPLIT>
 __global__ void __launch_bounds__(RING_THREADS) gemv_mma(GEMV_PARAMS) {
     if constexpr (Traits<CB>::RING)
-        mma_ring<CB, NT, MTILES, GRID_SPLIT>(payload, high, scale, minv, sub, qa, da, sa, M, N, KB, width, out);
+        mma_ring<CB, NT, MTILES, GRID_SPLIT>(payload, high, scale, minv, sub, qa, da, sa, M, N, KB, width, out, ws);
     else
-        mma_registers<CB, NT, MTILES, GRID_SPLIT>(payload, high, scale, minv, sub, qa, da, sa, M, N, KB, width, out);
-}
-
-// kpar's second launch: y = ((0 + acc_0) + acc_1) + ... over the workspace [S][count].
-extern "C" __global__ void fold_partials(const float* __restrict__ ws, int S, int count, float* __restrict__ y) {
-    const int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= count) return;
-    float acc = 0.0f;
-    for (int p = 0; p < S; ++p) acc = add_rn(acc, ws[(u64)p * count + i]);
-    y[i] = acc;
+        mma_registers<CB, NT, MTILES, GRID_SPLIT>(payload, high, scale, minv, sub, qa, da, sa, M, N, KB, width, out,
+                                                  ws);
+    if constexpr (GRID_SPLIT) {
+        const int cols = blockDim.x / 32 * 8 * NT;
+        fold_last(ws, out, gridDim.y, M, N, blockIdx.x * cols, cols);
+    }
 }
 
 // One warp per (row, block): lane j owns element j. Reads x row-major, writes block-major ([KB][M]).

@@ -24,7 +24,7 @@ from gemv_dispatch.kernels.codebooks import FORMATS
 from gemv_dispatch.kernels.emulate import QuantizedActivations
 from gemv_dispatch.kernels.errors import BLOCK
 from gemv_dispatch.kernels.layout import PackedWeights
-from gemv_dispatch.kernels.registry import FOLD_THREADS, Candidate
+from gemv_dispatch.kernels.registry import Candidate
 
 HERE = Path(__file__).parent
 REPO = HERE.parent.parent
@@ -47,8 +47,7 @@ def entry(signature: str) -> str:
 def unit(source: Path, kernel_names: tuple[str, ...]) -> str:
     """The translation unit: the shim, the kernel source, and an entry per instantiation (launcher.h)."""
     text = source.read_text()
-    rows = [("fold_partials", "fold_entry"), ("quantize_activations", "quantize_entry"),
-            *((name, f"gemv_entry<&{name}>") for name in kernel_names)]
+    rows = [("quantize_activations", "quantize_entry"), *((name, f"gemv_entry<&{name}>") for name in kernel_names)]
     table = ",\n".join(f'    {{"{name}", {run}}}' for name, run in rows)
     return (f'#define GEMV_HOSTSIM 1\n#include "{HERE / "cuda_host.h"}"\n#include "{source}"\n'
             f'#include "{HERE / "launcher.h"}"\n{entry(program.declared_signature(text))}'
@@ -102,8 +101,9 @@ class Simulator:
             raise RuntimeError(f"{name}: the threads of a CTA deadlocked at barriers")
 
     def gemv(self, candidate: Candidate, packed: PackedWeights, qa: QuantizedActivations,
-             poison: np.uint32) -> np.ndarray:
-        """y float32 [M, N] by `candidate` (both launches for kpar), into a buffer filled with `poison` bits."""
+             poison: np.uint32, ws: np.ndarray | None = None) -> np.ndarray:
+        """y float32 [M, N] by `candidate` into a buffer filled with `poison` bits; kpar folds in the same launch,
+        through `ws` (default: a new one of zero tickets and NaN partials), whose tickets it must leave zero."""
         m, n, k = qa.m, packed.n, packed.k
         planes = [np.ascontiguousarray(p) if p is not None else None
                   for p in (packed.payload, packed.high, packed.scale, packed.min, packed.sub)]
@@ -112,14 +112,19 @@ class Simulator:
         d, s = np.ascontiguousarray(qa.d.T), np.ascontiguousarray(qa.sum.T)
         ints = [np.array([v], dtype=np.int32) for v in (m, n, k // BLOCK, candidate.partition_width(k))]
         out = np.full((m, n), poison, dtype=np.uint32).view(np.float32)
-        split = candidate.split(k)
-        target = np.full(split * m * n, np.nan, dtype=np.float32) if candidate.grid_split else out
         grid, block = candidate.launch_geometry(m, n, k)
+        if candidate.grid_split and ws is None:  # zero tickets, NaN partials
+            ws = np.full(ticket_words(n) + candidate.workspace_bytes(m, n, k) // 4, np.nan, dtype=np.float32)
+            ws[: ticket_words(n)] = 0.0
         name = candidate.template_name(codebook_index(packed.codebook), m)
         self.launch(name, grid, block, candidate.shared_bytes(m),
-                    [*map(pointer, planes), pointer(q), pointer(d), pointer(s), *map(pointer, ints), pointer(target)])
-        if candidate.grid_split:
-            counts = [np.array([v], dtype=np.int32) for v in (split, m * n)]
-            self.launch("fold_partials", (-(-m * n // FOLD_THREADS), 1), (FOLD_THREADS, 1), 0,
-                        [pointer(target), *map(pointer, counts), pointer(out)])
+                    [*map(pointer, planes), pointer(q), pointer(d), pointer(s), *map(pointer, ints), pointer(out),
+                     pointer(ws if candidate.grid_split else None)])
+        if candidate.grid_split and ws[: ticket_words(n)].view(np.uint32).any():
+            raise AssertionError(f"{name}: the kpar tickets were not reset")
         return out
+
+
+def ticket_words(n: int) -> int:
+    """The staged kpar workspace's ticket counters ahead of its partials (gemv.cu's ticket_words)."""
+    return ((n + 7) // 8 + 3) // 4 * 4

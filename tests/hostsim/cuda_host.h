@@ -33,14 +33,15 @@ struct dim3 { unsigned x = 1, y = 1, z = 1; };
 
 namespace hostsim {
 
-// A barrier of `size` fibers; `generation` counts its releases.
+// A barrier of `size` fibers; `generation` counts its releases; `votes` of one generation become its `result`.
 struct Group {
-    int size = 0, arrived = 0;
+    int size = 0, arrived = 0, votes = 0, result = 0;
     unsigned long generation = 0;
 
     bool release_if_complete() {
         if (arrived < size) return false;
         arrived = 0, ++generation;
+        result = votes, votes = 0;
         return true;
     }
 };
@@ -204,6 +205,18 @@ inline int max(int a, int b) { return a > b ? a : b; }
 template <class T>
 inline T __ldg(const T* p) { return *p; }
 inline void __syncthreads() { hostsim::wait_at(*hostsim::self().cta); }
+inline int __syncthreads_or(int predicate) {  // read before this thread can reach the next barrier
+    hostsim::Group& cta = *hostsim::self().cta;
+    cta.votes += predicate != 0;
+    hostsim::wait_at(cta);
+    return cta.result;
+}
+inline void __threadfence() {}  // one host thread runs every CUDA thread: its stores are already visible
+inline unsigned atomicAdd(unsigned* p, unsigned v) {  // no two fibers run at once: a plain update is atomic
+    const unsigned old = *p;
+    *p = old + v;
+    return old;
+}
 inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
 inline float __uint_as_float(unsigned i) { float f; std::memcpy(&f, &i, 4); return f; }
 inline unsigned __float_as_uint(float f) { unsigned i; std::memcpy(&i, &f, 4); return i; }

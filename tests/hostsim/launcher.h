@@ -4,10 +4,6 @@
 // `entry_count`.
 #pragma once
 
-inline void fold_entry(void* const* a) {
-    fold_partials((const float*)a[0], *(const int*)a[1], *(const int*)a[2], (float*)a[3]);
-}
-
 inline void quantize_entry(void* const* a) {
     quantize_activations((const float*)a[0], *(const int*)a[1], *(const int*)a[2], (signed char*)a[3], (float*)a[4],
                          (int*)a[5]);
