@@ -108,6 +108,23 @@ def test_kpar_candidates_share_one_workspace(sim):
             assert_same_bits(sim.gemv(cand, packed, qa, POISON, ws), want, cand.id)
 
 
+@pytest.mark.parametrize("codebook", [c for c in FORMATS if c not in SUPERBLOCK])
+def test_legacy_formats_on_an_odd_block_count(sim, codebook):
+    """KB = 33 (legacy formats only; super-blocks need KB % 8 == 0): odd partition widths, ring chunks cut short,
+    N = 40 (one partial tile group per CTA)."""
+    n, k = 40, 33 * BLOCK
+    value = seed()
+    packed = pack(codebook, weights(codebook, n, k // BLOCK, value, "gaussian"), n, k)
+    x = activations(max(M_SET), np.random.default_rng(value))[:, :k]
+    with np.errstate(all="ignore"):
+        full = emulate.quantize_activations(np.ascontiguousarray(x))
+        for m in (1, 5, 16, 31):
+            qa = emulate.quantize_activations(np.ascontiguousarray(x[:m]))
+            for cand in (c for c in CANDIDATES if c.valid(m, n, k)):
+                want = emulate.gemv_quantized(packed, full, cand.split(k))[:m]
+                assert_same_bits(sim.gemv(cand, packed, qa, POISON), want, f"{codebook} {cand.id} M={m}")
+
+
 def test_activation_kernel_equals_the_emulator(sim):
     rng = np.random.default_rng(seed())
     x = activations(5, rng)
