@@ -238,7 +238,7 @@ def main() -> None:
         stats = ours(codebook, m, n, k)
         best = min(stats, key=lambda c: stats[c].median_us)
         st, engines = stats[best], engine_bests(stats)
-        nbytes = n * (k // 32) * get(codebook).block_bytes  # every plane once: the GGUF bytes
+        nbytes = n * (k // get(codebook).weights) * get(codebook).block_bytes  # every plane once: the GGUF bytes
         base = baseline(m, n, k) if codebook in M_CODEBOOKS else {}
         gbs = nbytes / st.median_us / 1e3
         row = {"codebook": codebook, "m": m, "n": n, "k": k, "best": best, "us": st.median_us, "p5_us": st.p5_us,

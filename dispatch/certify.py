@@ -128,28 +128,34 @@ def measured_shapes(policy: Policy) -> list[Shape]:
     return [Shape(cb, n, k, "measured") for cb, n, k in policy.table_shapes()]
 
 
-def _odd_n(rng: np.random.Generator) -> tuple[int, int]:
-    return 2 * int(rng.integers(0, 8192)) + 1, BLOCK * int(rng.integers(1, 512))
+# Each kind draws N and K = unit * r, where unit is the format's weights per GGUF block (32, or 256 for the
+# super-block formats) and r is drawn from a range scaled by BLOCK / unit, so K spans the same range either way.
+def _k(rng: np.random.Generator, unit: int, lo: int, hi: int) -> int:
+    return unit * int(rng.integers(max(1, lo * BLOCK // unit), max(2, hi * BLOCK // unit)))
 
 
-def _n_4_mod_8(rng: np.random.Generator) -> tuple[int, int]:
-    return 8 * int(rng.integers(0, 4096)) + 4, BLOCK * int(rng.integers(1, 512))
+def _odd_n(rng: np.random.Generator, unit: int) -> tuple[int, int]:
+    return 2 * int(rng.integers(0, 8192)) + 1, _k(rng, unit, 1, 512)
 
 
-def _small_k(rng: np.random.Generator) -> tuple[int, int]:
-    return int(rng.integers(1, 1 << 17)), BLOCK * int(rng.integers(1, 3))
+def _n_4_mod_8(rng: np.random.Generator, unit: int) -> tuple[int, int]:
+    return 8 * int(rng.integers(0, 4096)) + 4, _k(rng, unit, 1, 512)
 
 
-def _huge_k(rng: np.random.Generator) -> tuple[int, int]:
-    return int(rng.integers(1, 256)), BLOCK * int(rng.integers(2048, 4097))
+def _small_k(rng: np.random.Generator, unit: int) -> tuple[int, int]:
+    return int(rng.integers(1, 1 << 17)), _k(rng, unit, 1, 3)
 
 
-def _single_row(rng: np.random.Generator) -> tuple[int, int]:
-    return 1, BLOCK * int(rng.integers(1, 2048))
+def _huge_k(rng: np.random.Generator, unit: int) -> tuple[int, int]:
+    return int(rng.integers(1, 256)), _k(rng, unit, 2048, 4097)
 
 
-def _any_shape(rng: np.random.Generator) -> tuple[int, int]:
-    return int(rng.integers(1, 1 << 15)), BLOCK * int(rng.integers(1, 1024))
+def _single_row(rng: np.random.Generator, unit: int) -> tuple[int, int]:
+    return 1, _k(rng, unit, 1, 2048)
+
+
+def _any_shape(rng: np.random.Generator, unit: int) -> tuple[int, int]:
+    return int(rng.integers(1, 1 << 15)), _k(rng, unit, 1, 1024)
 
 
 SAMPLE_KINDS = (_odd_n, _n_4_mod_8, _small_k, _huge_k, _single_row, _any_shape)
@@ -159,14 +165,16 @@ def sampled_shapes(codebooks: Iterable[str], measured: Iterable[Shape], seed: in
                    per_codebook: int = SAMPLED_PER_CODEBOOK) -> list[Shape]:
     """A seeded sample of shapes the table was not trained on, so the fallback decides them: per codebook, one
     of each SAMPLE_KINDS in turn (odd N, N = 4 mod 8, the smallest K, a huge K (2^16..2^17) with a small N,
-    N = 1, anything). N·K stays <= MAX_SAMPLED_WEIGHTS so a sampled shape costs the GPU little."""
+    N = 1, anything), K a whole number of the format's blocks. N·K stays <= MAX_SAMPLED_WEIGHTS so a sampled
+    shape costs the GPU little."""
     known = {(s.codebook, s.n, s.k) for s in measured}
     out: set[Shape] = set()
     for cb in sorted(set(codebooks)):
         rng = np.random.default_rng(cell_seed("sampled-shapes", cb, seed))
+        unit = get(cb, runnable=False).weights
         picked = 0
         for attempt in range(100 * per_codebook):
-            n, k = SAMPLE_KINDS[attempt % len(SAMPLE_KINDS)](rng)
+            n, k = SAMPLE_KINDS[attempt % len(SAMPLE_KINDS)](rng, unit)
             shape = Shape(cb, n, k, "sampled")
             if n * k > MAX_SAMPLED_WEIGHTS or (cb, n, k) in known or shape in out:
                 continue

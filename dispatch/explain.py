@@ -9,7 +9,6 @@ from gemv_dispatch.dispatch.corpus import Corpus
 from gemv_dispatch.dispatch.policy import Policy
 from gemv_dispatch.dispatch.train import Measurements, TimeModel, serving
 from gemv_dispatch.kernels.codebooks import CODEBOOKS, EXECUTION, get
-from gemv_dispatch.kernels.errors import BLOCK
 
 NEIGHBOURS = 5
 
@@ -31,7 +30,7 @@ def explain(policy: Policy, corpus: Corpus, codebook: str, m: int, n: int, k: in
     meas = Measurements.from_corpus(corpus)
     predicted = float(TimeModel().fit(meas).predict([(codebook, choice.candidate, m, n, k, mode)])[0])
     book = get(next(name for name in CODEBOOKS if EXECUTION[name] == codebook))
-    weight_bytes = n * (k // BLOCK) * book.block_bytes
+    weight_bytes = n * (k // book.weights) * book.block_bytes
 
     def distance(key: tuple[str, int, int, int, str]) -> float:
         return math.dist((math.log2(key[2]), math.log2(key[3]), math.log2(key[1])),

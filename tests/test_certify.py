@@ -158,6 +158,12 @@ def test_policy_for_another_corpus_or_gpu_is_refused(tmp_path):
         certify.certify(policy, {}, OtherGpu(), log=quiet)
 
 
+def test_sampled_shapes_of_a_super_block_format_hold_whole_super_blocks():
+    shapes = certify.sampled_shapes(["q4_k"], [], seed=3)
+    assert shapes and all(s.k % 256 == 0 for s in shapes)
+    assert min(s.k for s in shapes) == 256 and max(s.k for s in shapes) >= 2**16  # the smallest and a huge K
+
+
 def test_sampled_shapes_cover_the_awkward_kinds():
     shapes = certify.sampled_shapes(["q4_0", "q8_0"], [], seed=3)
     assert len(shapes) == 2 * certify.SAMPLED_PER_CODEBOOK
