@@ -4,7 +4,6 @@ import os
 import shutil
 
 import hostsim
-import numpy as np
 import pytest
 from gemv_dispatch.kernels import launch, program
 from gemv_dispatch.kernels.codebooks import FORMATS
@@ -61,15 +60,6 @@ def test_both_engines_declare_the_parameters_the_launchers_pass(text, planes, ou
     assert all(t.startswith("const u") for t in types[:planes])
     assert len(program.declared_planes(text)) == planes
     assert set(program.declared_planes(text)) <= set(launch.PLANE_FIELDS), "a plane kernels.launch cannot pass"
-
-
-def test_launches_pass_the_planes_in_declared_order():
-    """DeviceWeights.plane_args follows the registered source's declaration, null for a plane the codebook lacks."""
-    payload, scale, high = np.zeros(4, np.uint32), np.zeros(2, np.uint16), np.zeros(2, np.uint32)
-    weights = launch.DeviceWeights("Q5_0", 8, 32, payload=payload, scale=scale, min=None, high=high)
-    assert program.planes() == ("payload", "high", "scale", "minv")
-    args = weights.plane_args()
-    assert args[0] is payload and args[1] is high and args[2] is scale and args[3] == 0
 
 
 def test_report_parser_flags_spills():

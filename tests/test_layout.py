@@ -312,3 +312,4 @@ def test_plane_shapes_are_the_shapes_pack_makes(codebook):
     blocks = np.random.default_rng(5).integers(0, 256, size=(n, k // book.weights * book.block_bytes), dtype=np.uint8)
     packed = pack(codebook, blocks, n, k)
     assert plane_shapes(codebook, n, k) == {name: (p.shape, p.dtype) for name, p in packed.planes().items()}
+
