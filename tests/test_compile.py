@@ -1,12 +1,13 @@
 """CPU compile check: every kernel instantiation builds for sm_90 without spills or a stack frame."""
 
 import os
+import re
 import shutil
 
 import hostsim
 import pytest
 from gemv_dispatch.kernels import launch, program
-from gemv_dispatch.kernels.codebooks import FORMATS
+from gemv_dispatch.kernels.codebooks import CODEBOOKS, FORMATS
 from gemv_dispatch.kernels.ptxas import compile_report, compile_unit, parse_report, source_name
 from gemv_dispatch.kernels.registry import CANDIDATES, MMA_ROWS, instantiations
 
@@ -79,3 +80,13 @@ def test_report_parser_names_both_engines():
     assert source_name("_Z8gemv_mmaILi5ELi2ELi2ELb1EEvPKjS1_PKtS3_PKiPKfS5_iiiiPf") == "gemv_mma<5, 2, 2, true>"
     assert source_name("_Z12gemv_partialILi3ELi2ELi8ELb0EEvPKj") == "gemv_partial<3, 2, 8, false>"
     assert source_name("fold_partials") == "fold_partials"
+
+
+@pytest.mark.parametrize(("text", "names"),
+                         [(program.source(), CODEBOOKS), (hostsim.STAGED_SOURCE.read_text(), FORMATS)])
+def test_the_codebook_enum_numbers_the_formats_as_the_registry_does(text, names):
+    """registry.CODEBOOK_IDS (and hostsim.codebook_index) number a format by its place in the list."""
+    enum = re.search(r"enum Codebook \{([^}]*)\}", text)
+    assert enum is not None
+    pairs = [item.split("=") for item in enum.group(1).split(",")]
+    assert [(name.strip(), int(value)) for name, value in pairs] == [(name, i) for i, name in enumerate(names)]

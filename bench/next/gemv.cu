@@ -49,8 +49,8 @@ struct Traits {
     static constexpr bool TABLE = CB == IQ4_NL || CB == IQ4_XS;                // IQ4_NL kvalues of the nibble
     static constexpr int OFFSET = CB == Q4_0 ? 8 : (CB == Q5_0 ? 16 : 0);      // code = stored value - OFFSET
     static constexpr int HALVES = CB == Q6_K ? 2 : 1;                          // scales per block
-    static constexpr int SUB_BYTES = CB == Q6_K ? 16 : (CB == IQ4_XS ? 6 : (SUPER ? 12 : 0));
-    // Blocks whose sub-block scales a column holds at once (SubScales): Q6_K keeps the 8 bytes of a quad.
+    // Blocks whose sub-block scales a column holds at once (SubScales: Q4_K/Q5_K 12 bytes, IQ4_XS 6, Q6_K the 8
+    // of a quad) and the words they take.
     static constexpr int SPAN = CB == Q6_K ? 4 : 8;
     static constexpr int SUB_WORDS = CB == Q4_K || CB == Q5_K ? 3 : 2;
     // Columns a dp4a thread decodes at once: a paired format's group holds 2-4 payload rows (and Q5_K the
@@ -192,7 +192,7 @@ __device__ __forceinline__ u32 q5k_high(u32 qh, int j) { return ((qh >> j) & 0x0
 // The two bits of Q6_K block u (of its quad) for four consecutive elements, from their qh word, at bits 4-5.
 __device__ __forceinline__ u32 q6k_high(u32 qh, int u) { return ((qh >> (2 * u)) & 0x03030303u) << 4; }
 
-// Sub-block scale bytes of one super-block column, as the kernels hold them (SUB_BYTES, little-endian words).
+// Sub-block scale bytes of one super-block column, as the kernels hold them (little-endian words).
 struct SubScales {
     u32 w[4];
 
@@ -288,7 +288,7 @@ struct Planes {
     const u32* __restrict__ high;        // legacy Q5, Q5_K: [KB][N]; Q6_K: [KB][N][2]
     const u16* __restrict__ scale;       // fp16 d: [KB][N]; super-block formats [KB/8][N]
     const u16* __restrict__ minv;        // fp16 m: [KB][N]; K-quants dmin [KB/8][N]
-    const unsigned char* __restrict__ sub;  // super-block formats: sub-block scales [KB/8][N][SUB_BYTES]
+    const unsigned char* __restrict__ sub;  // super-block formats: sub-block scales [KB/8][N][sc bytes]
 };
 
 // The parameters of every GEMV kernel, in the launchers' order (kernels.program.declared_signature reads them):
