@@ -45,7 +45,7 @@ from gemv_dispatch.dispatch.timing import cell_seed
 from gemv_dispatch.kernels import emulate, program
 from gemv_dispatch.kernels.codebooks import CODEBOOKS, EXECUTION, get
 from gemv_dispatch.kernels.errors import BLOCK, EnvironmentProblem, InputError
-from gemv_dispatch.kernels.layout import PackedWeights
+from gemv_dispatch.kernels.layout import PackedWeights, random_planes
 from gemv_dispatch.kernels.registry import Candidate, by_id
 
 CERT_FORMAT = "gemv-dispatch-certificate/1"
@@ -262,18 +262,11 @@ def _sample_columns(n: int, seed: int, count: int = EMULATED_COLUMNS) -> np.ndar
 
 
 def _random_planes(fmt: str, n: int, k: int, rng: np.random.Generator) -> PackedWeights:
-    """Host planes of random codes with finite fp16 scales and mins in [1e-3, 1e-2), like
-    kernels.launch.random_weights on the device."""
-    book, kb = get(fmt), k // BLOCK
-
-    def halfs() -> np.ndarray:
-        return (rng.random((kb, n), dtype=np.float32) * 9e-3 + 1e-3).astype(np.float16)
-
-    def words(*shape: int) -> np.ndarray:
-        return rng.integers(0, 2**32, size=shape, dtype=np.uint64).astype(np.uint32)
-
-    return PackedWeights(book.name, book.execution, n, k, words(kb, n, book.payload_bytes // 4), halfs(),
-                         halfs() if book.asymmetric else None, words(kb, n) if book.high_bits else None)
+    """Host planes of layout.random_planes, as kernels.launch.random_weights makes them on the device."""
+    book = get(fmt, runnable=False)
+    p = random_planes(fmt, n, k, rng)
+    return PackedWeights(book.name, book.execution, n, k, p["payload"], p["scale"], p.get("min"), p.get("high"),
+                         p.get("sub"))
 
 
 class EmulatorRunner:

@@ -119,19 +119,13 @@ def to_device(packed: layout.PackedWeights) -> DeviceWeights:
 
 
 def random_weights(codebook: str, n: int, k: int, rng: Any) -> DeviceWeights:
-    """Device planes (layout.plane_shapes) of random codes and sub-block scales with finite fp16 scales and mins
-    in [1e-3, 1e-2), for any format the layout knows: timing inputs that are never zeros or special values.
-    `rng` is a cupy.random.Generator."""
+    """Device planes of layout.random_planes (any format the layout knows): timing inputs. `rng` is a
+    cupy.random.Generator."""
     cp = require_cupy()
-
-    def fill(shape: tuple[int, ...], dtype: np.dtype) -> Any:
-        if dtype == np.float16:
-            return (rng.random(shape, dtype=cp.float32) * 9e-3 + 1e-3).astype(cp.float16).view(cp.uint16)
-        return rng.integers(0, 1 << (8 * dtype.itemsize), size=shape, dtype=cp.uint64).astype(dtype)
-
-    planes = {name: fill(*spec) for name, spec in layout.plane_shapes(codebook, n, k).items()}
-    return DeviceWeights(get(codebook, runnable=False).name, n, k, planes["payload"], planes["scale"],
-                         planes.get("min"), planes.get("high"), planes.get("sub"))
+    planes = layout.random_planes(codebook, n, k, rng, cp)
+    bits = {name: a.view(cp.uint16) if a.dtype == cp.float16 else a for name, a in planes.items()}
+    return DeviceWeights(get(codebook, runnable=False).name, n, k, bits["payload"], bits["scale"], bits.get("min"),
+                         bits.get("high"), bits.get("sub"))
 
 
 def empty_activations(m: int, k: int) -> QuantizedActivations:

@@ -9,6 +9,7 @@ shuffle: unpack(pack(blocks)) == blocks, byte for byte.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from gemv_dispatch.kernels.codebooks import Codebook, check_blocks, get
@@ -72,6 +73,19 @@ def plane_shapes(codebook: str, n: int, k: int) -> dict[str, tuple[tuple[int, ..
         rows, width = k // book.weights * runs, size // runs // itemsize
         shapes[plane] = ((rows, n) if width == 1 else (rows, n, width), np.dtype(dtype))
     return shapes
+
+
+def random_planes(codebook: str, n: int, k: int, rng: Any, xp: Any = np) -> dict[str, Any]:
+    """Timing and certification inputs: every plane of the format (plane_shapes) as an `xp` array (numpy, or
+    CuPy with a cupy.random.Generator), random codes and sub-block scales, fp16 scales and mins finite in
+    [1e-3, 1e-2): never zeros or special values."""
+
+    def fill(shape: tuple[int, ...], dtype: np.dtype) -> Any:
+        if dtype == np.float16:
+            return (rng.random(shape, dtype=xp.float32) * 9e-3 + 1e-3).astype(xp.float16)
+        return rng.integers(0, 1 << (8 * dtype.itemsize), size=shape, dtype=xp.uint64).astype(dtype)
+
+    return {name: fill(*spec) for name, spec in plane_shapes(codebook, n, k).items()}
 
 
 def pack(codebook: str, blocks: np.ndarray, n: int, k: int) -> PackedWeights:

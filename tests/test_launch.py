@@ -25,6 +25,7 @@ def test_random_device_weights_have_the_planes_pack_makes(codebook, monkeypatch)
     the format, in pack's shapes and dtypes, fp16 scales finite in [1e-3, 1e-2)."""
     monkeypatch.setattr(launch, "cupy", types.SimpleNamespace(float16=np.float16, float32=np.float32,
                                                               uint16=np.uint16, uint64=np.uint64))
+    assert launch.require_cupy() is launch.cupy
     n, k = 24, 512
     w = launch.random_weights(codebook, n, k, np.random.default_rng(7))
     want = plane_shapes(codebook, n, k)
