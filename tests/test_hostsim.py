@@ -65,6 +65,14 @@ def activations(m: int, rng: np.random.Generator) -> np.ndarray:
     return x
 
 
+def emulated(packed, x: np.ndarray) -> dict[int, np.ndarray]:
+    """The emulator's y for x [rows, K] at every identity a candidate of the matrix's (N, K) has. An output row
+    depends only on its x row (test_emulate), so the first M rows are the answer for M."""
+    full = emulate.quantize_activations(np.ascontiguousarray(x))
+    splits = {c.split(packed.k) for c in CANDIDATES if c.valid(1, packed.n, packed.k)}
+    return {s: emulate.gemv_quantized(packed, full, s) for s in splits}
+
+
 def test_candidates_cover_every_family_and_engine():
     assert {(c.family, c.engine) for c in valid(31)} == {
         ("wide", "dp4a"), ("direct", "dp4a"), ("kpar", "dp4a"), ("wide", "mma"), ("kpar", "mma")}
@@ -80,9 +88,7 @@ def test_staged_kernels_equal_the_emulator(sim, codebook, kind):
     packed = pack(codebook, weights(codebook, N, K // BLOCK, value, kind), N, K)
     x = activations(max(M_SET), rng)
     with np.errstate(all="ignore"):
-        # An output row depends only on its x row (test_emulate), so the first M rows are the answer for M.
-        full = emulate.quantize_activations(x)
-        expected = {s: emulate.gemv_quantized(packed, full, s) for s in {c.split(K) for c in valid(1)}}
+        expected = emulated(packed, x)
         for m in M_SET:
             qa = emulate.quantize_activations(x[:m])
             for cand in valid(m):
@@ -98,14 +104,14 @@ def test_kpar_candidates_share_one_workspace(sim):
     width can take turns on one workspace (as the sweep's interleaved rounds do), twice over."""
     value = seed()
     packed = pack("Q4_0", weights("Q4_0", N, K // BLOCK, value, "gaussian"), N, K)
-    qa = emulate.quantize_activations(activations(16, np.random.default_rng(value)))
+    x = activations(16, np.random.default_rng(value))
+    qa, expected = emulate.quantize_activations(x), emulated(packed, x)
     kpar = [c for c in valid(16) if c.grid_split]
     assert len({c.split(K) for c in kpar}) >= 3 and {c.engine for c in kpar} == {"dp4a", "mma"}
     ws = np.zeros(hostsim.ticket_words(N) + max(c.workspace_bytes(16, N, K) for c in kpar) // 4, np.float32)
     for _ in range(2):
         for cand in kpar:
-            want = emulate.gemv_quantized(packed, qa, cand.split(K))
-            assert_same_bits(sim.gemv(cand, packed, qa, POISON, ws), want, cand.id)
+            assert_same_bits(sim.gemv(cand, packed, qa, POISON, ws), expected[cand.split(K)], cand.id)
 
 
 @pytest.mark.parametrize("codebook", [c for c in FORMATS if c not in SUPERBLOCK])
@@ -115,14 +121,14 @@ def test_legacy_formats_on_an_odd_block_count(sim, codebook):
     n, k = 40, 33 * BLOCK
     value = seed()
     packed = pack(codebook, weights(codebook, n, k // BLOCK, value, "gaussian"), n, k)
-    x = activations(max(M_SET), np.random.default_rng(value))[:, :k]
+    x = np.ascontiguousarray(activations(max(M_SET), np.random.default_rng(value))[:, :k])
     with np.errstate(all="ignore"):
-        full = emulate.quantize_activations(np.ascontiguousarray(x))
+        expected = emulated(packed, x)
         for m in (1, 5, 16, 31):
-            qa = emulate.quantize_activations(np.ascontiguousarray(x[:m]))
+            qa = emulate.quantize_activations(x[:m])
             for cand in (c for c in CANDIDATES if c.valid(m, n, k)):
-                want = emulate.gemv_quantized(packed, full, cand.split(k))[:m]
-                assert_same_bits(sim.gemv(cand, packed, qa, POISON), want, f"{codebook} {cand.id} M={m}")
+                got = sim.gemv(cand, packed, qa, POISON)
+                assert_same_bits(got, expected[cand.split(k)][:m], f"{codebook} {cand.id} M={m}")
 
 
 def test_activation_kernel_equals_the_emulator(sim):
@@ -201,8 +207,9 @@ def test_a_mixed_q4_k_q6_k_gguf_runs_through_the_staged_kernels(sim, tmp_path):
         with pytest.raises(InputError, match=f"codebook {codebook} has no GPU kernel yet"):
             runtime.prepare(packed)
         xk = np.ascontiguousarray(x[:, :k])
+        expected = emulated(packed, xk)
         for m in (1, 16):
             qa = emulate.quantize_activations(xk[:m])
             for cand in (c for c in CANDIDATES if c.valid(m, n, k)):
                 got = sim.gemv(cand, packed, qa, POISON)
-                assert_same_bits(got, emulate.gemv_quantized(packed, qa, cand.ksplit), f"{name} {cand.id} M={m}")
+                assert_same_bits(got, expected[cand.split(k)][:m], f"{name} {cand.id} M={m}")

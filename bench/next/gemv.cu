@@ -112,17 +112,16 @@ __device__ __forceinline__ float sub_rn(float a, float b) {
     asm("sub.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
     return r;
 }
-
-// An exact small integer (a sub-block scale) as float: cvt.rn.f32.s32 has no flushing variant to fear.
-__device__ __forceinline__ float int_to_float(int i) { return (float)i; }
 #else
 inline float abs_f32(float a) { return std::fabs(a); }
 inline float rint_f32(float a) { return std::nearbyint(a); }
 inline int to_int_rz(float a) { return a != a ? 0 : (int)a; }  // only ever sees |a| <= 127
 inline float half_bits_to_float(u16 h) { return hostsim_half_to_float(h); }
 inline float sub_rn(float a, float b) { return canonical(a - b); }
-inline float int_to_float(int i) { return (float)i; }
 #endif
+
+// An exact small integer (a sub-block scale) as float: cvt.rn.f32.s32 has no flushing variant to fear.
+__device__ __forceinline__ float int_to_float(int i) { return (float)i; }
 
 // -x as a sign flip: exact for every input (a PTX neg may flush a subnormal under -ftz=true).
 __device__ __forceinline__ float negate(float x) { return __uint_as_float(__float_as_uint(x) ^ 0x80000000u); }
