@@ -1,4 +1,4 @@
-"""The shapes the benchmarks share (one list, imported by bench/kernels.py, runtime_overhead.py, staged_mma.py).
+"""The shapes the benchmarks share (one list, imported by bench/kernels.py and runtime_overhead.py).
 
 ANCHORS: (N, K) of common decode GEMVs, large to small. LLAMA_8B: Llama-3.1-8B's per-layer projections
 (hidden 4096, 32 query and 8 key/value heads of 128, MLP 14336, vocabulary 128256), what an end-to-end decode

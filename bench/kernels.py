@@ -7,7 +7,8 @@ cold L2 by rotating weight copies past 3x the device's L2, interleaved rounds, m
 
     python bench/kernels.py --out bench/results/kernels-h200.json --plot bench/results/roofline-h200.png
 
-Rows: Q4_0 and Q8_0 at M in MS on every anchor, the other codebooks at M = 1. End to end: the sum over one
+Rows: Q4_0 and Q8_0 at M in MS on every anchor, the super-block codebooks at M = 1 and 16, the other legacy
+ones at M = 1; cuBLAS fp16 and tinygemm wherever M > 1 or the codebook is Q4_0 or Q8_0. End to end: the sum over one
 Llama-3.1-8B decode step (q, k, v, o, gate, up, down x 32 layers + lm_head) of the best candidate's time per
 shape, plus one activation quantization per distinct input (anchors.LLAMA_8B_QUANTIZED_PER_LAYER), at M = 1
 and 16, against the same sum for tinygemm and cuBLAS fp16 (which take bf16 / fp16 activations as they are).
@@ -37,11 +38,12 @@ from anchors import (
 from gemv_dispatch.dispatch.sweep import GpuTimer, sweep_timing
 from gemv_dispatch.dispatch.timing import CupyBackend, Launch, Rotation, Stats, copies_for_cold_l2, time_candidates
 from gemv_dispatch.kernels import launch
-from gemv_dispatch.kernels.codebooks import CODEBOOKS, get
+from gemv_dispatch.kernels.codebooks import CODEBOOKS, SUPERBLOCK, get
 from gemv_dispatch.kernels.registry import by_id, candidates_for
 
 MS = (1, 2, 4, 8, 16, 31)
 M_CODEBOOKS = ("Q4_0", "Q8_0")  # the codebooks the small-batch targets name
+SUPERBLOCK_MS = (1, 16)  # the super-block targets: M = 1 against the ceiling, M = 16 against cuBLAS fp16
 E2E_MS = (1, 16)
 CONFIG = replace(sweep_timing(), window_us=300.0)  # the sweep's settings, longer windows
 STREAM_KERNEL = r"""
@@ -218,7 +220,8 @@ def main() -> None:
     backend = TorchBackend()
     anchors = ANCHORS[:3] if args.quick else ANCHORS
     cells = [(cb, m, n, k) for cb in M_CODEBOOKS for n, k in anchors for m in MS]
-    cells += [(cb, 1, n, k) for n, k in anchors for cb in CODEBOOKS if cb not in M_CODEBOOKS]
+    cells += [(cb, m, n, k) for cb in SUPERBLOCK for n, k in anchors if k % 256 == 0 for m in SUPERBLOCK_MS]
+    cells += [(cb, 1, n, k) for n, k in anchors for cb in CODEBOOKS if cb not in M_CODEBOOKS + SUPERBLOCK]
     rows = []
 
     # One measurement per cell, shape and quantization in the run: the table and the end-to-end sum share them.
@@ -239,7 +242,7 @@ def main() -> None:
         best = min(stats, key=lambda c: stats[c].median_us)
         st, engines = stats[best], engine_bests(stats)
         nbytes = n * (k // get(codebook).weights) * get(codebook).block_bytes  # every plane once: the GGUF bytes
-        base = baseline(m, n, k) if codebook in M_CODEBOOKS else {}
+        base = baseline(m, n, k) if codebook in M_CODEBOOKS or m > 1 else {}
         gbs = nbytes / st.median_us / 1e3
         row = {"codebook": codebook, "m": m, "n": n, "k": k, "best": best, "us": st.median_us, "p5_us": st.p5_us,
                "p95_us": st.p95_us, "weight_bytes": nbytes, "gbs": gbs, "of_ceiling": gbs / ceiling,

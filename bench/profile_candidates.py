@@ -27,7 +27,7 @@ def launch_cells(cells: list[tuple[str, int, int, int, str]], repeats: int = 3) 
             x = rng.standard_normal((m, k), dtype=cp.float32)
             out = cp.empty((m, n), cp.float32)
             need = cand.workspace_bytes(m, n, k)
-            workspace = cp.empty(need // 4, cp.float32) if need else None
+            workspace = launch.new_workspace(need, n) if need else None
         qact = launch.quantize_activations(x, stream)
         run = launch.bind(cand, [weights], qact, out, stream, workspace)
         for _ in range(repeats):

@@ -64,7 +64,7 @@ def overhead(stream: Any, n: int, k: int, m: int) -> dict[str, float]:
         qx = runtime.quantize(x)
         cand = runtime.choice_for(w, m).candidate
         need = cand.workspace_bytes(m, n, k)
-        ws = cp.empty(max(need // 4, 1), cp.float32) if need else None
+        ws = launch.new_workspace(need, n) if need else None
         raw = launch.bind(cand, [w.planes], qx.buffers, out, stream, ws)
         runtime.gemv(w, qx, out=out)  # resolve and cache the launch before timing
         row = {
@@ -112,7 +112,7 @@ def end_to_end(stream: Any, n: int, k: int, m: int, mode: str, l2: int) -> dict[
         qx = runtime.quantize(x)
         cand = runtime.choice_for(first, m, mode).candidate
         need = cand.workspace_bytes(m, n, k)
-        ws = cp.empty(max(need // 4, 1), cp.float32) if need else None
+        ws = launch.new_workspace(need, n) if need else None
         raw = launch.bind(cand, [w.planes for w in copies], qx.buffers, out, stream, ws)
         stream.synchronize()
 

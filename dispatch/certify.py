@@ -171,7 +171,7 @@ def sampled_shapes(codebooks: Iterable[str], measured: Iterable[Shape], seed: in
     out: set[Shape] = set()
     for cb in sorted(set(codebooks)):
         rng = np.random.default_rng(cell_seed("sampled-shapes", cb, seed))
-        unit = get(cb, runnable=False).weights
+        unit = get(cb).weights
         picked = 0
         for attempt in range(100 * per_codebook):
             n, k = SAMPLE_KINDS[attempt % len(SAMPLE_KINDS)](rng, unit)
@@ -263,7 +263,7 @@ def _sample_columns(n: int, seed: int, count: int = EMULATED_COLUMNS) -> np.ndar
 
 def _random_planes(fmt: str, n: int, k: int, rng: np.random.Generator) -> PackedWeights:
     """Host planes of layout.random_planes, as kernels.launch.random_weights makes them on the device."""
-    book = get(fmt, runnable=False)
+    book = get(fmt)
     p = random_planes(fmt, n, k, rng)
     return PackedWeights(book.name, book.execution, n, k, p["payload"], p["scale"], p.get("min"), p.get("high"),
                          p.get("sub"))
@@ -396,7 +396,7 @@ class GpuRunner:
         need = candidate.workspace_bytes(m, w.n, w.k)
         with self.stream:
             out = cp.full((m, w.n), POISON, dtype=cp.uint32).view(cp.float32)
-            workspace = cp.full(-(-need // 4), np.nan, dtype=cp.float32) if need else None
+            workspace = self._launch.new_workspace(need, w.n) if need else None
         self._launch.gemv(candidate, w, self._activations(rows), out, self.stream, workspace=workspace)
         return out
 

@@ -91,9 +91,10 @@ def fits(candidate: Candidate, identity: int, m: int, n: int, k: int) -> bool:
     return candidate.valid(m, n, k) and candidate.identity(k) == identity
 
 
-def tie_key(candidate: Candidate, m: int, n: int, k: int) -> tuple[int, int, str]:
-    """docs/policy.md §6 tie order inside the noise band: fewer launches, then no workspace, then smaller id."""
-    return candidate.launches, int(candidate.workspace_bytes(m, n, k) > 0), candidate.id
+def tie_key(candidate: Candidate, m: int, n: int, k: int) -> tuple[int, str]:
+    """docs/policy.md §6 tie order inside the noise band: no workspace, then smaller id. (The contract's first
+    key, fewer launches, never separates two candidates: every candidate is one launch, kpar included.)"""
+    return int(candidate.workspace_bytes(m, n, k) > 0), candidate.id
 
 
 # ---------------------------------------------------------------------------------------------------------

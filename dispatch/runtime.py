@@ -22,11 +22,12 @@ every shape and gives the same bytes as any identity-1 table choice.
 Memory: new buffers come from the allocator of the caller's array library on the caller's stream, whose
 stream-ordered reuse makes dropping them right after the launches safe: torch's caching allocator for torch
 callers (inside torch.cuda.graph that is the graph's private pool, which keeps them for the graph), CuPy's
-pool for CuPy callers. CuPy has no graph-private pool, so for a CuPy capture the caller keeps x, the result
-of quantize and `out` alive while the graph lives, and the runtime keeps the scratch it allocates during a
-capture (kpar workspaces, activations of `gemv(w, x)` with unquantized x) for the life of the process, one
-set per capturing stream, shared by the graphs captured on that stream: do not replay such graphs
-concurrently with each other.
+pool for CuPy callers. kpar workspaces are the exception: they hold ticket counters that every launch leaves
+zero, so the runtime keeps them, from CuPy's pool, one per (launch stream, N), for torch callers too. CuPy has
+no graph-private pool, so for a CuPy capture the caller keeps x, the result of quantize and `out` alive while
+the graph lives, and the runtime keeps the scratch it allocates during a capture (kpar workspaces, activations
+of `gemv(w, x)` with unquantized x) for the life of the process, one set per capturing stream, shared by the
+graphs captured on that stream: do not replay such graphs concurrently with each other.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from typing import Any, Literal
 import numpy as np
 from gemv_dispatch.dispatch.shapes import open_gguf
 from gemv_dispatch.kernels import launch
-from gemv_dispatch.kernels.codebooks import CODEBOOKS, FORMATS, get
+from gemv_dispatch.kernels.codebooks import CODEBOOKS, get
 from gemv_dispatch.kernels.emulate import QuantizedActivations
 from gemv_dispatch.kernels.errors import BLOCK, InputError
 from gemv_dispatch.kernels.layout import PackedWeights, pack
@@ -173,7 +174,6 @@ def prepare(weights: PackedWeights | np.ndarray, codebook: str | None = None, k:
     else:
         raise InputError("prepare takes GGUF block bytes (a numpy uint8 array [N, KB*block_bytes]) or a "
                          f"kernels.layout.PackedWeights, got {type(weights).__name__}")
-    get(packed.codebook)  # refuses, before any upload, a format that packs but no kernel runs yet (Q4_K, ...)
     cp = launch.require_device()
     planes = launch.to_device(packed)
     return Weights(packed.codebook, packed.execution, packed.n, packed.k, cp.cuda.runtime.getDevice(), planes)
@@ -181,21 +181,19 @@ def prepare(weights: PackedWeights | np.ndarray, codebook: str | None = None, k:
 
 def read_gguf_tensor(path: str | Path, name: str) -> PackedWeights:
     """The block bytes of one 2-D tensor of a GGUF file, packed: the codebook from its GGML type, N and K from
-    its dims (ne = [K, N]). Any format the tool understands (FORMATS) is read; `prepare` refuses those no kernel
-    runs yet. InputError for a missing file or tensor or another type."""
+    its dims (ne = [K, N]); any codebook the kernels run. InputError for a missing file or tensor or another type."""
     path = Path(path)
     reader = open_gguf(path)
     tensor = next((t for t in reader.tensors if t.name == name), None)
     if tensor is None:
         raise InputError(f"{path}: no tensor named {name!r}")
     codebook = tensor.tensor_type.name
-    if codebook not in FORMATS:
-        raise InputError(f"{path}: tensor {name!r} is {codebook}; the tool reads {', '.join(FORMATS)} and the "
-                         f"kernels run {', '.join(CODEBOOKS)}")
+    if codebook not in CODEBOOKS:
+        raise InputError(f"{path}: tensor {name!r} is {codebook}; the kernels run {', '.join(CODEBOOKS)}")
     if len(tensor.shape) != 2:
         raise InputError(f"{path}: tensor {name!r} has {len(tensor.shape)} dims; a GEMV weight is 2-D")
     k, n = (int(d) for d in tensor.shape)
-    book = get(codebook, runnable=False)
+    book = get(codebook)
     blocks = np.array(tensor.data, dtype=np.uint8).reshape(n, k // book.weights * book.block_bytes)
     return pack(codebook, blocks, n, k)
 
@@ -299,8 +297,8 @@ class _Runtime:
         self.dispatcher = Dispatcher()
         self.gpu_names: dict[int, str] = {}
         self.torch_streams: dict[int, Any] = {}
-        self.workspaces: dict[int, Any] = {}  # eager kpar workspace per launch stream (grow-only)
-        self.captured_workspaces: dict[int, Any] = {}  # per capturing stream; kept for the graphs
+        self.workspaces: dict[tuple[int, int], Any] = {}  # eager kpar workspace per (launch stream, N), grow-only
+        self.captured_workspaces: dict[tuple[int, int], Any] = {}  # per (capturing stream, N); kept for the graphs
         self.captured_activations: dict[tuple[int, int, int], QuantizedActivations] = {}
         self.retired: list[Any] = []  # captured buffers replaced by larger ones: a graph may still read them
 
@@ -326,17 +324,20 @@ class _Runtime:
             self.torch_streams[ptr] = stream
         return stream
 
-    def workspace(self, floats: int, on: Any, capturing: bool) -> Any:
-        """A float32 kpar workspace of at least `floats` elements for launches on `on`, from CuPy's pool on
-        that stream: stream order makes reuse by the next launch on `on` safe. Eager buffers are replaced
-        when too small (the old one returns to the pool); buffers used in a capture are kept."""
+    def workspace(self, floats: int, n: int, on: Any, capturing: bool) -> Any:
+        """A kpar workspace (launch.new_workspace) of at least `floats` elements for outputs of width N and
+        launches on `on`, from CuPy's pool on that stream, for CuPy and torch callers alike: each launch leaves
+        its tickets zero and stream order makes reuse by the next launch on `on` safe; a workspace serves one
+        N, since another N's tickets would sit on its partials. Eager buffers are replaced when too small (the
+        old one returns to the pool); buffers used in a capture are kept."""
         cache = self.captured_workspaces if capturing else self.workspaces
-        ws = cache.get(on.ptr)
+        key = (on.ptr, n)
+        ws = cache.get(key)
         if ws is None or ws.size < floats:
             if capturing and ws is not None:
                 self.retired.append(ws)
             with on:
-                ws = cache[on.ptr] = launch.cupy.empty(floats, launch.cupy.float32)
+                ws = cache[key] = launch.new_workspace(4 * floats, n)
         return ws
 
     def captured_scratch(self, on: Any, m: int, k: int) -> QuantizedActivations:
@@ -484,13 +485,7 @@ def _gemv(weights: Weights, src: _Array | Activations, dst: _Array | None, m: in
     else:
         result, out_ptr = dst.obj, dst.ptr
     on = launch.launch_stream(caller)
-    ws = None
-    if plan.workspace_floats:
-        if src.torch:
-            workspace = _torch_bytes(4 * plan.workspace_floats, weights.device_id)
-            ws = np.uint64(workspace.data_ptr())
-        else:
-            ws = _STATE.workspace(plan.workspace_floats, on, capturing)
+    ws = _STATE.workspace(plan.workspace_floats, weights.n, on, capturing) if plan.workspace_floats else None
     plan.enqueue(ptrs, np.uint64(out_ptr), ws, on)
     launch.rejoin(caller, on)
     del scratch  # now safe to free: the allocator's stream order covers the enqueued launches

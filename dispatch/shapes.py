@@ -14,7 +14,7 @@ A shape may also carry "codebooks": ["Q4_K", "Q6_K"], the GGUF types the model s
 a sweep plan's codebooks apply to it. Files from before the key existed load unchanged.
 
 Rules, checked on load: n and k are integers > 0, k is a multiple of 32 (one quantization block);
-codebooks, where given, are distinct formats the tool understands (kernels.codebooks.FORMATS) and k is a
+codebooks, where given, are distinct formats the tool understands (kernels.codebooks.CODEBOOKS) and k is a
 multiple of each one's block (256 weights for super-block formats); a role appears once per file, while
 different roles may share one (n, k); names are unique across files.
 Model roles: q, k, v, o, the fused qkv, gate, up, the fused gate_up, down and lm_head. The fused roles
@@ -36,7 +36,7 @@ from typing import Any
 
 from gemv_dispatch.dispatch import paths
 from gemv_dispatch.dispatch.files import write_atomic
-from gemv_dispatch.kernels.codebooks import FORMATS, get
+from gemv_dispatch.kernels.codebooks import CODEBOOKS, get
 from gemv_dispatch.kernels.errors import BLOCK, InputError
 
 ROLES = ("q", "k", "v", "o", "qkv", "gate", "up", "gate_up", "down", "lm_head")
@@ -124,7 +124,7 @@ def _codebooks(entry: dict[str, Any], at: str) -> tuple[str, ...]:
     names = []
     for name in given:
         try:
-            book = get(name, runnable=False)
+            book = get(name)
         except InputError as err:
             raise InputError(f"{at}: {err}") from None
         if entry["k"] % book.weights:
@@ -357,12 +357,12 @@ def from_gguf(path: StrPath) -> Inventory:
             continue
         if len(ne) != (3 if role.startswith("expert_") else 2):
             continue
-        if gtype not in FORMATS and gtype not in _FLOAT_TYPES:
+        if gtype not in CODEBOOKS and gtype not in _FLOAT_TYPES:
             unsupported.setdefault(gtype, []).append(name)
             continue
-        typed = gtype in FORMATS
+        typed = gtype in CODEBOOKS
         k, n = ne[0], ne[1]
-        if k % (get(gtype, runnable=False).weights if typed else BLOCK):
+        if k % (get(gtype).weights if typed else BLOCK):
             bad_k += 1
             continue
         found.setdefault(role, {}).setdefault((n, k), set()).update([gtype] if typed else [])

@@ -1,9 +1,9 @@
 """Sweep (docs/architecture.md §4, §5): time every candidate over (codebook, M, N, K, mode) cells into the corpus.
 
 Default plan (`parse_plan()` with no arguments): the union of the (N, K) geometries of every model inventory
-in corpus/shapes/ (the synthetic grid is left out; pass it with --shapes), all six codebooks, M in {1, 4, 16},
-graph mode, `sweep_timing()` (cold L2, racing on, at most 15 rounds): 96 geometries x 6 x 3 = 1728 cells,
-measured at 384 s of wall time on one H200 (two runs of three codebooks each: 188.5 s and 195.8 s).
+in corpus/shapes/ (the synthetic grid is left out; pass it with --shapes), every codebook (a super-block one
+where K is a multiple of 256), M in {1, 4, 16}, graph mode, `sweep_timing()` (cold L2, racing on, at most 15
+rounds). Its cell count and wall time on an H200 are in the README.
 Inventories from `shapes from-gguf` are typed: each of their shapes is swept in its own GGUF types (typed_cells).
 
 Each finished cell becomes one staged shard (corpus.stage_shard: no manifest rewrite per cell), so an
@@ -23,7 +23,6 @@ import os
 import subprocess
 import sys
 import time
-import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -51,8 +50,8 @@ DEFAULT_MODES = "graph"
 
 
 def sweep_timing(hot: bool = False) -> TimingConfig:
-    """The sweep's timing parameters: the harness defaults with at most 15 rounds, so 16-31 candidates over the
-    default 1728 cells fit a 10-minute budget (384 s measured on an H200); racing ends most cells earlier."""
+    """The sweep's timing parameters: the harness defaults with at most 15 rounds (racing ends most cells earlier),
+    so the default plan stays within minutes on one GPU."""
     return TimingConfig(cold_l2=not hot, max_rounds=15)
 
 
@@ -78,14 +77,16 @@ class SweepPlan:
             raise InputError(f"sweep plan: invalid M, mode, (N, K) or limit: {bad or self.limit}")
 
     def cells(self) -> list[Cell]:
-        """All cells, grouped by weight geometry (codebook, N, K) so a timer creates each weight set once."""
+        """All cells, grouped by weight geometry (codebook, N, K) so a timer creates each weight set once. A
+        codebook is left out where K is not a whole number of its GGUF blocks (a super-block format at K = 896)."""
         cells = [
             Cell(cb, m, n, k, mode)
             for cb in sorted(self.codebooks)
             for n, k in sorted(self.geometries)
+            if k % get(cb).weights == 0 and (self.typed is None or (cb, n, k) in self.typed)
             for m in sorted(self.ms)
             for mode in MODES
-            if mode in self.modes and (self.typed is None or (cb, n, k) in self.typed)
+            if mode in self.modes
         ]
         return cells[: self.limit]
 
@@ -141,24 +142,13 @@ def parse_plan(codebooks: str = DEFAULT_CODEBOOKS, ms: str = DEFAULT_MS, modes: 
 
 
 def typed_cells(inventories: Sequence[Inventory], codebooks: Sequence[str]) -> frozenset[tuple[str, int, int]] | None:
-    """What typed inventories ask to sweep: each typed shape in its own GGUF types that a kernel runs; an
-    untyped shape, or one stored only in types no kernel runs yet (the super-block formats, said in one
-    warning), in every codebook; all within `codebooks` (--codebooks). None when no shape is typed (the plan's
-    full product); InputError when nothing is left."""
+    """What typed inventories ask to sweep: each typed shape in its own GGUF types, an untyped shape in every
+    codebook; all within `codebooks` (--codebooks). None when no shape is typed (the plan's full product);
+    InputError when nothing is left."""
     shapes = [s for inv in inventories for s in inv.shapes]
     if not any(s.codebooks for s in shapes):
         return None
-    wanted: set[tuple[str, int, int]] = set()
-    unrun: dict[str, int] = {}
-    for s in shapes:
-        runnable = [cb for cb in s.codebooks if cb in CODEBOOKS]
-        for cb in s.codebooks:
-            if cb not in CODEBOOKS:
-                unrun[cb] = unrun.get(cb, 0) + 1
-        wanted.update((cb, s.n, s.k) for cb in runnable or codebooks if cb in codebooks)
-    if unrun:
-        warnings.warn("no kernel runs " + ", ".join(f"{cb} ({count} shapes)" for cb, count in sorted(unrun.items()))
-                      + " yet: shapes stored only in those are swept in every codebook", stacklevel=3)
+    wanted = {(cb, s.n, s.k) for s in shapes for cb in s.codebooks or codebooks if cb in codebooks}
     if not wanted:
         raise InputError(f"the inventories ask for no shape in the codebooks asked for ({', '.join(codebooks)})")
     return frozenset(wanted)
@@ -343,7 +333,7 @@ class GpuTimer:
             # Standard normal activations: zeros would quantize to d_a = 0 and skip real work.
             x = cp.random.default_rng(seed).standard_normal((m, k), dtype=cp.float32)
             out = cp.empty((m, n), cp.float32)
-            workspace = cp.empty(-(-need // 4), cp.float32) if need else None
+            workspace = launch.new_workspace(need, n) if need else None
         qact = launch.quantize_activations(x, self.stream)
         launches = {c.id: launch.bind(c, copies, qact, out, self.stream, workspace) for c in candidates}
         stats = time_candidates(launches, len(copies),

@@ -63,7 +63,7 @@ RANDOM_STATE = 0
 CANDIDATE_IDS: tuple[str, ...] = tuple(c.id for c in CANDIDATES)
 FAMILIES = ("wide", "direct", "kpar")
 TIME_FEATURES: tuple[str, ...] = (*LAUNCH_FEATURES, "family", "ksplit", "threads", "cpt", "mma_tiles",
-                                  "launches", "row_tile", "ctas")
+                                  "row_tile", "ctas")
 
 Geometry = tuple[str, int, int]  # (codebook, n, k)
 
@@ -137,7 +137,7 @@ def _sha256(data: bytes) -> str:
 def best_launch(times: Mapping[str, float], identity: int, m: int, n: int, k: int,
                 noise_rel: float) -> str | None:
     """The launch of `identity` for a cell: the fastest median, ties within the noise band broken by
-    policy.tie_key (fewer launches, no workspace, smaller id). None when no measured candidate fits."""
+    policy.tie_key (no workspace, smaller id). None when no measured candidate fits."""
     serve = serving(m, n, k)
     live = {c: t for c, t in times.items() if serve.get(c) == identity}
     if not live:
@@ -157,7 +157,7 @@ def time_features(codebook: str, candidate: Candidate, m: int, n: int, k: int, m
     (gx, gy, _), _ = candidate.launch_geometry(m, n, k)
     tile = mma_row_tiles(m) if candidate.mma_tiles else row_tile(m, candidate.cpt)
     return [*feats, FAMILIES.index(candidate.family), candidate.ksplit, candidate.threads, candidate.cpt,
-            candidate.mma_tiles, candidate.launches, tile, gx * gy]
+            candidate.mma_tiles, tile, gx * gy]
 
 
 @cache

@@ -22,19 +22,17 @@ from typing import NamedTuple
 import numpy as np
 from gemv_dispatch.kernels.errors import BLOCK, InputError, check_matrix, describe
 
-# The formats the GPU kernels run: what the registry, sweep plans, policy training and certification iterate
-# over. The super-block formats are understood by the CPU side (quantize, dequantize, layout, emulator) but
-# have no kernel yet, so they stay out of CODEBOOKS until one exists.
-CODEBOOKS: tuple[str, ...] = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL")
-SUPERBLOCK: tuple[str, ...] = ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS")
-FORMATS: tuple[str, ...] = CODEBOOKS + SUPERBLOCK  # every format the tool understands
+# The formats the tool understands and the GPU kernels run: what the registry, sweep plans, policy training and
+# certification iterate over, in the order of the kernel source's `Codebook` enum.
+LEGACY: tuple[str, ...] = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL")  # one 32-weight block each
+SUPERBLOCK: tuple[str, ...] = ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS")  # 256-weight super-blocks of 8 blocks
+CODEBOOKS: tuple[str, ...] = LEGACY + SUPERBLOCK
 SUPERBLOCK_WEIGHTS = 256  # weights per super-block: 8 blocks of 32
 
 # Source format -> execution codebook key (the runtime dispatch key). This is the ONE place the mapping
 # lives. Formats whose execution arithmetic is identical (same code range, same planes, same §1
 # formula) would map to one shared key and become aliases; a dispatch table for that key must then be
 # good for every alias. Today every format has its own arithmetic, so every key is its own lowercase name.
-# A format without a kernel has no key.
 EXECUTION: dict[str, str] = {name: name.lower() for name in CODEBOOKS}
 
 # IQ4_NL non-linear code table (GGUF / llama.cpp kvalues_iq4nl), indexed by nibble.
@@ -160,7 +158,7 @@ class Codebook:
     asymmetric: bool = field(init=False)  # weight = scale * code + min
     high_bits: bool = field(init=False)  # has qh (Q5_0, Q5_1, Q5_K, Q6_K)
     bits_per_weight: float = field(init=False)
-    execution: str | None = field(init=False)  # execution codebook key from EXECUTION; None: no kernel yet
+    execution: str = field(init=False)  # execution codebook key from EXECUTION
     d_offset: int = field(init=False)
     m_offset: int | None = field(init=False)
     sc_offset: int | None = field(init=False)
@@ -179,7 +177,7 @@ class Codebook:
             ("asymmetric", "m" in sizes),
             ("high_bits", "qh" in sizes),
             ("bits_per_weight", sum(sizes.values()) * 8 / weights),
-            ("execution", EXECUTION.get(self.name)),
+            ("execution", EXECUTION[self.name]),
             ("d_offset", starts["d"]),
             ("m_offset", starts.get("m")),
             ("sc_offset", starts.get("sc")),
@@ -213,20 +211,16 @@ _BOOKS: dict[str, Codebook] = {
         Codebook("IQ4_XS", (("d", 2), ("sc", 6), ("qs", 128)), code_bits=4, table=True, subscales=_XS6),
     )
 }
-assert tuple(_BOOKS) == FORMATS
+assert tuple(_BOOKS) == CODEBOOKS
 
 
-def get(name: str, *, runnable: bool = True) -> Codebook:
-    """The codebook called `name` (case-insensitive): by default one the kernels run (CODEBOOKS);
-    runnable=False also finds the formats only the CPU side implements so far (FORMATS)."""
-    known = CODEBOOKS if runnable else FORMATS
+def get(name: str) -> Codebook:
+    """The codebook called `name` (case-insensitive); InputError naming the known ones otherwise."""
     if not isinstance(name, str):
-        raise InputError(f"codebook must be a name (str), got {type(name).__name__}; known: {', '.join(known)}")
+        raise InputError(f"codebook must be a name (str), got {type(name).__name__}; known: {', '.join(CODEBOOKS)}")
     book = _BOOKS.get(name.upper())
     if book is None:
-        raise InputError(f"unknown codebook {name!r}; known: {', '.join(known)}")
-    if book.name not in known:
-        raise InputError(f"codebook {book.name} has no GPU kernel yet (the kernels run {', '.join(CODEBOOKS)})")
+        raise InputError(f"unknown codebook {name!r}; known: {', '.join(CODEBOOKS)}")
     return book
 
 
@@ -322,7 +316,7 @@ def _codes(book: Codebook, raw: np.ndarray) -> np.ndarray:
 
 def block_fields(codebook: str, blocks: np.ndarray, k: int) -> BlockFields:
     """GGUF block bytes uint8 [N, K/weights*block_bytes] -> integer codes and float32 scale (and min)."""
-    book = get(codebook, runnable=False)
+    book = get(codebook)
     blocks, k = check_blocks(book, blocks, k)
     n, kb = blocks.shape[0], k // BLOCK
     b3 = blocks.reshape(n, k // book.weights, book.block_bytes)
@@ -348,7 +342,7 @@ def dequantize(codebook: str, blocks: np.ndarray, k: int) -> np.ndarray:
     (multiplication commutes bitwise, so code*scale == scale*code). For finite scales the products are even
     exact (an 11-bit fp16 significand times sub-scale and code, at most 12 bits together, e.g. Q6_K's
     127·31), so the only rounding is the asymmetric min."""
-    book = get(codebook, runnable=False)
+    book = get(codebook)
     return dequantize_fields(block_fields(book.name, blocks, k), subtract_min=book.superblock)
 
 
@@ -742,7 +736,7 @@ _ENCODERS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
 
 def quantize(codebook: str, w: np.ndarray) -> np.ndarray:
     """float32 [N, K] -> GGUF block bytes uint8 [N, K/weights*block_bytes]."""
-    book = get(codebook, runnable=False)
+    book = get(codebook)
     w = _check_weights(book, w)
     n, k = w.shape
     wb = w.reshape(-1, book.weights)

@@ -27,7 +27,7 @@ from gemv_dispatch.kernels import layout, program
 from gemv_dispatch.kernels.codebooks import get
 from gemv_dispatch.kernels.emulate import QuantizedActivations
 from gemv_dispatch.kernels.errors import BLOCK, EnvironmentProblem, InputError
-from gemv_dispatch.kernels.registry import FOLD_THREADS, Candidate, kernel_names
+from gemv_dispatch.kernels.registry import Candidate, kernel_names, ticket_words
 
 try:
     import cupy
@@ -83,10 +83,9 @@ class DeviceWeights:
     def nbytes(self) -> int:
         return sum(a.nbytes for a in (self.payload, self.scale, self.min, self.high, self.sub) if a is not None)
 
-    def plane_args(self, declared: tuple[str, ...] | None = None) -> tuple[Any, ...]:
-        """The planes in the order the kernels declare them (`declared` plane parameter names, default
-        program.planes()), null pointers for absent ones."""
-        planes = (getattr(self, PLANE_FIELDS[name]) for name in declared or program.planes())
+    def plane_args(self) -> tuple[Any, ...]:
+        """The planes in the order the kernels declare them (program.planes()), null pointers for absent ones."""
+        planes = (getattr(self, PLANE_FIELDS[name]) for name in program.planes())
         return tuple(np.uint64(0) if plane is None else plane for plane in planes)
 
 
@@ -124,7 +123,7 @@ def random_weights(codebook: str, n: int, k: int, rng: Any) -> DeviceWeights:
     cp = require_cupy()
     planes = layout.random_planes(codebook, n, k, rng, cp)
     bits = {name: a.view(cp.uint16) if a.dtype == cp.float16 else a for name, a in planes.items()}
-    return DeviceWeights(get(codebook, runnable=False).name, n, k, bits["payload"], bits["scale"], bits.get("min"),
+    return DeviceWeights(get(codebook).name, n, k, bits["payload"], bits["scale"], bits.get("min"),
                          bits.get("high"), bits.get("sub"))
 
 
@@ -285,6 +284,17 @@ def enqueue_quantize(x: Any, m: int, kb: int, qact: tuple[Any, Any, Any], stream
         (x, np.int32(m), np.int32(kb), *qact), stream=stream)
 
 
+def new_workspace(nbytes: int, n: int, xp: Any = None) -> Any:
+    """A kpar workspace of at least `nbytes` (Candidate.workspace_bytes) for outputs of width N, on the current
+    stream: its ticket_words(N) counters zero, as every launch leaves them, and its partials a NaN pattern (a
+    fold that read a partial no CTA wrote shows). The tickets' place depends on N alone, so candidates of any
+    split may share it for one N (not for another N: its partials would sit under that N's tickets)."""
+    xp = xp or require_cupy()
+    ws = xp.full(-(-nbytes // 4), np.nan, dtype=xp.float32)
+    ws[: ticket_words(n)] = 0.0
+    return ws
+
+
 def check_launch(candidate: Candidate, weights: DeviceWeights, qact: QuantizedActivations, out: Any,
                  workspace: Any) -> None:
     cp = require_cupy()
@@ -300,7 +310,7 @@ def check_launch(candidate: Candidate, weights: DeviceWeights, qact: QuantizedAc
         raise InputError(f"output must be a C-contiguous float32 CuPy array of shape ({m}, {n})")
     need = candidate.workspace_bytes(m, n, k)
     if need and (workspace is None or workspace.nbytes < need or workspace.dtype != cp.float32):
-        raise InputError(f"candidate {candidate.id} needs a float32 workspace of {need} bytes")
+        raise InputError(f"candidate {candidate.id} needs a float32 workspace of {need} bytes (launch.new_workspace)")
     if out.device.id != weights.payload.device.id:
         raise InputError("output and weights are on different devices")
 
@@ -319,21 +329,18 @@ class Plan:
     shared: int
     weights: tuple[Any, ...]  # DeviceWeights.plane_args: the planes in the kernels' order
     scalars: tuple[Any, ...]  # int32 M, N, KB, partition width
-    workspace_floats: int  # kpar's partials [S][M][N]; 0 for one-launch families
-    fold: Any  # the fold kernel of kpar, else None
-    fold_grid: tuple[int]
-    fold_scalars: tuple[Any, ...]  # int32 S, M·N
+    workspace_floats: int  # kpar's tickets and partials (Candidate.workspace_bytes / 4); 0 for the others
 
     def enqueue(self, qact: tuple[Any, Any, Any], out: Any, workspace: Any, stream: Any) -> None:
         """y = W·x on `stream`: `qact` = storage(activations), `out` float32 [M, N] (array or pointer),
-        `workspace` float32 of at least `workspace_floats` elements (kpar only)."""
-        if self.fold is None:
-            self.kernel(self.grid, self.block, (*self.weights, *qact, *self.scalars, out),
-                        shared_mem=self.shared, stream=stream)
-            return
-        self.kernel(self.grid, self.block, (*self.weights, *qact, *self.scalars, workspace),
+        `workspace` (kpar only, else None) from new_workspace for this N, of at least `workspace_floats`."""
+        self.kernel(self.grid, self.block, (*self.weights, *qact, *self.scalars, out, _pointer(workspace)),
                     shared_mem=self.shared, stream=stream)
-        self.fold(self.fold_grid, (FOLD_THREADS,), (workspace, *self.fold_scalars, out), stream=stream)
+
+
+def _pointer(buffer: Any) -> Any:
+    """A kernel argument for an optional buffer: the null pointer for None."""
+    return np.uint64(0) if buffer is None else buffer
 
 
 def plan(candidate: Candidate, weights: DeviceWeights, m: int) -> Plan:
@@ -350,9 +357,6 @@ def plan(candidate: Candidate, weights: DeviceWeights, m: int) -> Plan:
         weights=weights.plane_args(),
         scalars=(np.int32(m), np.int32(n), np.int32(k // BLOCK), np.int32(candidate.partition_width(k))),
         workspace_floats=candidate.workspace_bytes(m, n, k) // 4,
-        fold=_helper("fold_partials") if candidate.grid_split else None,
-        fold_grid=(-(-m * n // FOLD_THREADS),),
-        fold_scalars=(np.int32(candidate.ksplit), np.int32(m * n)),
     )
 
 
@@ -372,20 +376,12 @@ def bind(candidate: Candidate, copies: Sequence[DeviceWeights], qact: QuantizedA
     plans = [plan(candidate, w, qact.m) for w in copies]
     first_plan = plans[0]
     kernel, grid, block, shared = first_plan.kernel, first_plan.grid, first_plan.block, first_plan.shared
-    tail = (*storage(qact), *first_plan.scalars, workspace if candidate.grid_split else out)
+    tail = (*storage(qact), *first_plan.scalars, out, _pointer(workspace if candidate.grid_split else None))
     args = [(*p.weights, *tail) for p in plans]
-    if not candidate.grid_split:
-        def launch(i: int) -> None:
-            kernel(grid, block, args[i], shared_mem=shared, stream=stream)
-        return launch
 
-    fold, fold_grid = first_plan.fold, first_plan.fold_grid
-    fold_args = (workspace, *first_plan.fold_scalars, out)
-
-    def launch_and_fold(i: int) -> None:
+    def launch(i: int) -> None:
         kernel(grid, block, args[i], shared_mem=shared, stream=stream)
-        fold(fold_grid, (FOLD_THREADS,), fold_args, stream=stream)
-    return launch_and_fold
+    return launch
 
 
 def gemv(candidate: Candidate, weights: DeviceWeights, qact: QuantizedActivations, out: Any, stream: Any = None,

@@ -23,7 +23,7 @@ _PLANES = {"qs": ("payload", np.uint32), "d": ("scale", np.float16), "m": ("min"
 @dataclass(frozen=True)
 class PackedWeights:
     codebook: str  # source format, e.g. "Q4_0"
-    execution: str | None  # execution codebook key (the runtime dispatch key); None: no kernel yet
+    execution: str  # execution codebook key (the runtime dispatch key)
     n: int
     k: int
     payload: np.ndarray  # uint32 [KB, N, payload_bytes/4], GGUF nibble order kept
@@ -65,7 +65,7 @@ def _plane(book: Codebook, blocks3: np.ndarray, name: str) -> np.ndarray:
 
 def plane_shapes(codebook: str, n: int, k: int) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
     """The shape and dtype of each plane `pack` makes of an N×K matrix, by plane name (payload, scale, ...)."""
-    book = get(codebook, runnable=False)
+    book = get(codebook)
     shapes = {}
     for name, size in book.layout:
         plane, dtype = _PLANES[name]
@@ -90,7 +90,7 @@ def random_planes(codebook: str, n: int, k: int, rng: Any, xp: Any = np) -> dict
 
 def pack(codebook: str, blocks: np.ndarray, n: int, k: int) -> PackedWeights:
     """GGUF block bytes uint8 [N, K/weights*block_bytes] -> execution planes."""
-    book = get(codebook, runnable=False)
+    book = get(codebook)
     if n <= 0:
         raise InputError(f"N must be positive, got N={n}")
     blocks, k = check_blocks(book, blocks, k)
@@ -105,7 +105,7 @@ def pack(codebook: str, blocks: np.ndarray, n: int, k: int) -> PackedWeights:
 
 def unpack(packed: PackedWeights) -> np.ndarray:
     """Execution planes -> the exact GGUF block bytes uint8 [N, K/weights*block_bytes]."""
-    book = get(packed.codebook, runnable=False)
+    book = get(packed.codebook)
     n, nb = packed.n, packed.k // book.weights
     blocks3 = np.empty((n, nb, book.block_bytes), dtype=np.uint8)
     planes = packed.planes()

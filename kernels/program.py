@@ -14,9 +14,11 @@ SOURCE_PATH = Path(__file__).with_name("cuda") / "gemv.cu"
 # Shared by NVRTC (CuPy) and nvcc (the compile check); the architecture flag is added by each builder.
 # CuPy appends -ftz=true to every NVRTC build, so the source writes its float operations as explicit
 # non-ftz PTX; the compile check builds with FORCED_BY_CUPY too and asserts no .ftz instruction remains.
-CONTRACT_OPTIONS = ("--std=c++17", "--fmad=false", "--prec-div=true", "--prec-sqrt=true", "--maxrregcount=128")
+MAX_REGISTERS = 128  # per thread: every instantiation must fit without spills (the compile check)
+CONTRACT_OPTIONS = ("--std=c++17", "--fmad=false", "--prec-div=true", "--prec-sqrt=true",
+                    f"--maxrregcount={MAX_REGISTERS}")
 FORCED_BY_CUPY = ("-ftz=true",)
-HELPER_KERNELS = ("quantize_activations", "fold_partials")
+HELPER_KERNELS = ("quantize_activations",)
 
 
 @cache

@@ -24,6 +24,7 @@ from typing import Literal
 from gemv_dispatch.kernels.codebooks import CODEBOOKS, get
 from gemv_dispatch.kernels.emulate import effective_split, identity, partition_width
 from gemv_dispatch.kernels.errors import BLOCK, InputError
+from gemv_dispatch.kernels.program import MAX_REGISTERS
 
 Family = Literal["wide", "direct", "kpar"]
 Engine = Literal["dp4a", "mma"]
@@ -35,11 +36,15 @@ MMA_ROWS = 16  # activation rows per mma.m16n8k32 (the A operand)
 MMA_OUTPUTS = 8  # outputs per mma (the B operand)
 MMA_ROW_TILES = (1, 2)  # M tiles of MMA_ROWS handled per pass over the weights
 SHARED_MEMORY_LIMIT = 48 * 1024  # default dynamic shared memory per CTA, no opt-in needed
-# Threads per CTA a candidate may launch: CUDA's limit. The compile options' --maxrregcount=128 allows at most
-# 65536 / 128 = 512; no candidate comes near it (direct keeps threads x S <= 512), and the value is rendered into
-# the certified dispatch module, so the derived limit enters with the next certification (bench/next).
-MAX_CTA_THREADS = 1024
-FOLD_THREADS = 256
+REGISTER_FILE = 65536  # 32-bit registers a CTA may use (every architecture since sm_50)
+# Threads per CTA a candidate may launch: what the register file holds at the compile options' register cap.
+MAX_CTA_THREADS = REGISTER_FILE // MAX_REGISTERS
+
+
+def ticket_words(n: int) -> int:
+    """u32 ticket counters at the head of a kpar workspace (gemv.cu's ticket_words): one per 8 outputs bounds the
+    CTA columns of every candidate, rounded to 4 words so the partials behind them stay 16-byte aligned."""
+    return ((n + 7) // 8 + 3) // 4 * 4
 
 
 def row_tile(m: int, cpt: int) -> int:
@@ -87,10 +92,6 @@ class Candidate:
         return identity(k // BLOCK, self.ksplit)
 
     @property
-    def launches(self) -> int:
-        return 2 if self.family == "kpar" else 1
-
-    @property
     def grid_split(self) -> bool:
         return self.family == "kpar"
 
@@ -101,8 +102,9 @@ class Candidate:
         return (self.ksplit - 1) * row_tile(m, self.cpt) * self.threads * self.cpt * 4
 
     def workspace_bytes(self, m: int, n: int, k: int) -> int:
-        """kpar's partial sums [S][M][N] fp32; other families need none."""
-        return self.split(k) * m * n * 4 if self.family == "kpar" else 0
+        """kpar's workspace: ticket_words(N) u32 counters, zero before a launch and left zero by it, then the
+        partial sums [S][M][N] fp32 (kernels.launch.new_workspace); other families need none."""
+        return 4 * (ticket_words(n) + self.split(k) * m * n) if self.family == "kpar" else 0
 
     def invalid_reason(self, m: int, n: int, k: int) -> str | None:
         """Why this candidate cannot run (M, N, K), or None when it can."""
@@ -152,7 +154,7 @@ def _build() -> tuple[Candidate, ...]:
     direct = [
         Candidate("direct", s, t, 1) for t in (32, 64) for s in (2, 4, 8, 16) if t * s <= 512
     ]
-    # kpar: S partitions across CTAs, a fold launch; made for small N with long K.
+    # kpar: S partitions across CTAs, folded by the last CTA of each column range; made for small N with long K.
     kpar = [Candidate("kpar", s, t, c) for s in (2, 4, 8, 16, 32, 64) for t, c in ((128, 1), (64, 2))]
     # Tensor-core twins of wide and kpar: made for M > 1, where dp4a is instruction-bound.
     # Two tiles per warp won nearly every M >= 4 cell of a wider H200 trial (1, 2, 4 tiles); four only for

@@ -4,28 +4,28 @@ import os
 import re
 import shutil
 
-import hostsim
 import pytest
-from gemv_dispatch.kernels import launch, program
-from gemv_dispatch.kernels.codebooks import CODEBOOKS, FORMATS
-from gemv_dispatch.kernels.ptxas import compile_report, compile_unit, parse_report, source_name
-from gemv_dispatch.kernels.registry import CANDIDATES, MMA_ROWS, instantiations
+from gemv_dispatch.kernels import launch, program, registry
+from gemv_dispatch.kernels.codebooks import CODEBOOKS
+from gemv_dispatch.kernels.ptxas import compile_report, parse_report, source_name
+from gemv_dispatch.kernels.registry import instantiations
 
 needs_nvcc = pytest.mark.skipif(
     shutil.which("nvcc") is None and not os.environ.get("CI"), reason="nvcc is not on PATH (CI requires it)"
 )
 
 
-def assert_clean_build(build, names: list[str], helpers: tuple[str, ...] = program.HELPER_KERNELS) -> None:
+def assert_clean_build(build, names: list[str]) -> None:
     """Every kernel built, none with a stack frame or spills, within the register cap, no flushing float op."""
     report = build.resources
     by_name = {r.name: r for r in report}
-    assert set(names) | set(helpers) == set(by_name), "ptxas reported other kernels than built"
+    assert set(names) | set(program.HELPER_KERNELS) == set(by_name), "ptxas reported other kernels than built"
     offenders = [r for r in report if r.stack_bytes or r.spill_store_bytes or r.spill_load_bytes]
     assert not offenders, f"stack frame or spills: {offenders}"
     # Registers per thread, recorded in the test log (pytest -rA shows it).
     print("\n".join(f"{r.registers:4d} regs  {r.name}" for r in sorted(report, key=lambda r: r.name)))
     cap = int(next(o for o in program.CONTRACT_OPTIONS if o.startswith("--maxrregcount=")).split("=")[1])
+    assert cap == program.MAX_REGISTERS
     assert all(0 < r.registers <= cap for r in report), f"--maxrregcount={cap} caps registers"
     # CuPy builds with -ftz=true: the contract's float operations must not be flushing variants.
     assert build.ptx.count(".entry") == len(report)
@@ -39,28 +39,35 @@ def test_every_instantiation_compiles_spill_free_for_sm90():
     assert_clean_build(compile_report(names, "sm_90"), names)
 
 
-@needs_nvcc
-def test_staged_source_compiles_spill_free_for_sm90():
-    """The staged next kernel source (bench/next), every codebook including the super-block ones."""
-    names = sorted({c.template_name(hostsim.codebook_index(cb), m)
-                    for cb in FORMATS for c in CANDIDATES for m in range(1, 2 * MMA_ROWS + 1)})
-    text = program.explicit_instantiations(names, hostsim.STAGED_SOURCE.read_text())
-    assert_clean_build(compile_unit(text, "sm_90"), names, helpers=("quantize_activations",))  # kpar folds itself
-
-
-@pytest.mark.parametrize(("text", "planes", "outputs"),
-                         [(program.source(), 4, 1), (hostsim.STAGED_SOURCE.read_text(), 5, 2)])
-def test_both_engines_declare_the_parameters_the_launchers_pass(text, planes, outputs):
-    """The planes, three activation arrays, M, N, KB and the partition width, the output (staged: and kpar's
-    workspace): what kernels.launch (registered source) and tests/hostsim (staged) pass, in that order."""
+def test_both_engines_declare_the_parameters_the_launchers_pass():
+    """The five planes, three activation arrays, M, N, KB and the partition width, the output and kpar's
+    workspace: what kernels.launch and tests/hostsim pass, in that order."""
+    text = program.source()
     want = program.declared_signature(text, "gemv_partial")
     assert program.declared_signature(text, "gemv_mma") == want
     types = want.strip("()").split(", ")
-    assert types[planes:] == ["const int*", "const float*", "const int*", "int", "int", "int", "int",
-                              *["float*"] * outputs]
-    assert all(t.startswith("const u") for t in types[:planes])
-    assert len(program.declared_planes(text)) == planes
-    assert set(program.declared_planes(text)) <= set(launch.PLANE_FIELDS), "a plane kernels.launch cannot pass"
+    assert types[5:] == ["const int*", "const float*", "const int*", "int", "int", "int", "int", "float*", "float*"]
+    assert all(t.startswith("const u") for t in types[:5])
+    assert set(program.declared_planes(text)) == set(launch.PLANE_FIELDS), "a plane kernels.launch cannot pass"
+
+
+def test_the_ticket_count_is_the_registrys():
+    """kpar's ticket counters ahead of its partials: the source's ticket_words is registry.ticket_words."""
+    body = re.search(r"int ticket_words\(int N\) \{ return ([^;]*); \}", program.source())
+    assert body is not None
+    expression = body.group(1).replace("/", "//")
+    assert all(eval(expression, {"N": n}) == registry.ticket_words(n) for n in range(1, 5000))
+
+
+def test_the_thread_limit_follows_the_register_cap():
+    """No CTA of more threads than the register file holds at --maxrregcount: a launch of such a CTA fails."""
+    assert registry.MAX_CTA_THREADS * program.MAX_REGISTERS == registry.REGISTER_FILE
+    launch_bounds = re.findall(r"__launch_bounds__\((\w+)\)", program.source())
+    assert launch_bounds == ["RING_THREADS"]  # the one bound: gemv_mma's CTA, which every mma candidate launches
+    ring = re.search(r"constexpr int RING_THREADS = (\d+);", program.source())
+    assert ring is not None
+    assert {c.threads for c in registry.CANDIDATES if c.mma_tiles} == {int(ring.group(1))}
+    assert max(c.threads * (1 if c.grid_split else c.ksplit) for c in registry.CANDIDATES) <= registry.MAX_CTA_THREADS
 
 
 def test_report_parser_flags_spills():
@@ -79,14 +86,13 @@ def test_report_parser_flags_spills():
 def test_report_parser_names_both_engines():
     assert source_name("_Z8gemv_mmaILi5ELi2ELi2ELb1EEvPKjS1_PKtS3_PKiPKfS5_iiiiPf") == "gemv_mma<5, 2, 2, true>"
     assert source_name("_Z12gemv_partialILi3ELi2ELi8ELb0EEvPKj") == "gemv_partial<3, 2, 8, false>"
-    assert source_name("fold_partials") == "fold_partials"
+    assert source_name("quantize_activations") == "quantize_activations"
 
 
-@pytest.mark.parametrize(("text", "names"),
-                         [(program.source(), CODEBOOKS), (hostsim.STAGED_SOURCE.read_text(), FORMATS)])
-def test_the_codebook_enum_numbers_the_formats_as_the_registry_does(text, names):
-    """registry.CODEBOOK_IDS (and hostsim.codebook_index) number a format by its place in the list."""
-    enum = re.search(r"enum Codebook \{([^}]*)\}", text)
+def test_the_codebook_enum_numbers_the_formats_as_the_registry_does():
+    """registry.CODEBOOK_IDS numbers a format by its place in CODEBOOKS, as the source's enum does."""
+    enum = re.search(r"enum Codebook \{([^}]*)\}", program.source())
     assert enum is not None
     pairs = [item.split("=") for item in enum.group(1).split(",")]
-    assert [(name.strip(), int(value)) for name, value in pairs] == [(name, i) for i, name in enumerate(names)]
+    assert [(name.strip(), int(value)) for name, value in pairs] == [(name, i) for i, name in enumerate(CODEBOOKS)]
+    assert {name: i for i, name in enumerate(CODEBOOKS)} == registry.CODEBOOK_IDS

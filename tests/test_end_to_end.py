@@ -1,7 +1,8 @@
-"""End to end with a real file (issue 10, item 8): a GGUF model written here with the `gguf` package (Q4_0,
-Q8_0 and IQ4_NL tensors, odd and even N) -> `shapes from-gguf` -> the tensor bytes read back -> prepare ->
-gemv through the runtime's dispatch. On a CPU the emulator computes what the dispatched identity must give;
-on a GPU (marker `gpu`) the runtime's bytes must equal it and equal serial M = 1."""
+"""End to end with a real file: a GGUF model written here with the `gguf` package (Q4_0, Q8_0 and IQ4_NL
+tensors, odd and even N, and a second layer in Q4_K and Q6_K, as a Q4_K_M model mixes them) -> `shapes
+from-gguf` -> the tensor bytes read back -> prepare -> gemv through the runtime's dispatch (the installed table
+where one is installed). On a CPU the emulator computes what the dispatched identity must give; on a GPU
+(marker `gpu`) the runtime's bytes must equal it and equal serial M = 1."""
 
 from __future__ import annotations
 
@@ -25,9 +26,12 @@ TENSORS = {
     "blk.0.attn_v.weight": ("IQ4_NL", 64, HIDDEN),
     "blk.0.ffn_down.weight": ("IQ4_NL", HIDDEN, 160),
     "output.weight": ("Q8_0", 1001, HIDDEN),
+    "blk.1.attn_q.weight": ("Q4_K", 256, HIDDEN),
+    "blk.1.attn_v.weight": ("Q6_K", 64, HIDDEN),
 }
 ROLES = {"blk.0.attn_q.weight": "q", "blk.0.attn_k.weight": "k", "blk.0.attn_v.weight": "v",
-         "blk.0.ffn_down.weight": "down", "output.weight": "lm_head"}
+         "blk.0.ffn_down.weight": "down", "output.weight": "lm_head", "blk.1.attn_q.weight": "q",
+         "blk.1.attn_v.weight": "v"}
 M_SET = (1, 2, 3, 8, 16, 31)
 
 
@@ -58,8 +62,9 @@ def model(tmp_path_factory) -> tuple[Path, dict[str, np.ndarray], int]:
 def test_shapes_from_gguf_lists_every_projection(model):
     path, _, _ = model
     inv = from_gguf(path)
-    got = {(s.role, s.n, s.k) for s in inv.shapes}
-    assert got == {(ROLES[name], n, k) for name, (_, n, k) in TENSORS.items()}
+    got = {(s.role, s.n, s.k): s.codebooks for s in inv.shapes}
+    assert set(got) == {(ROLES[name], n, k) for name, (_, n, k) in TENSORS.items()}
+    assert (got[("q", 256, HIDDEN)], got[("v", 64, HIDDEN)]) == (("Q4_0", "Q4_K"), ("IQ4_NL", "Q6_K"))
 
 
 def test_tensor_bytes_read_back_exactly(model):
@@ -74,7 +79,7 @@ def test_read_gguf_tensor_refuses_bad_requests(model, tmp_path):
     path, _, _ = model
     with pytest.raises(InputError, match=r"no tensor named 'blk\.9\.attn_q\.weight'"):
         runtime.read_gguf_tensor(path, "blk.9.attn_q.weight")
-    with pytest.raises(InputError, match="is F32; the tool reads"):
+    with pytest.raises(InputError, match="is F32; the kernels run"):
         runtime.read_gguf_tensor(path, "output_norm.weight")
     with pytest.raises(InputError, match="no such GGUF file"):
         runtime.read_gguf_tensor(tmp_path / "absent.gguf", "output.weight")

@@ -1,9 +1,8 @@
-"""The staged kernel source (bench/next/gemv.cu) on the CPU: every candidate of every codebook, both engines, the
+"""The kernel source (kernels/cuda/gemv.cu) on the CPU: every candidate of every codebook, both engines, the
 legacy formats and the super-block ones, byte for byte against the emulator (docs/contract.md §1-3).
 
-tests/hostsim runs the kernels' own code with one fiber per CUDA thread. The legacy formats' kernels
-there are the GPU-checked ones with the signature widened, so their passing here is the simulator's own check;
-the super-block kernels have not run on a GPU yet (bench/next/README.md).
+tests/hostsim runs the kernels' own code with one fiber per CUDA thread, so CI without a GPU checks the
+decode, index and accumulation code; the GPU tests (tests/test_kernels_gpu.py) check the same on the device.
 """
 
 from __future__ import annotations
@@ -16,8 +15,8 @@ import hostsim
 import numpy as np
 import pytest
 from bitcheck import assert_same_bits, bits
-from gemv_dispatch.kernels import emulate, layout
-from gemv_dispatch.kernels.codebooks import FORMATS, SUPERBLOCK
+from gemv_dispatch.kernels import emulate, launch, layout, program
+from gemv_dispatch.kernels.codebooks import CODEBOOKS, SUPERBLOCK
 from gemv_dispatch.kernels.errors import BLOCK
 from gemv_dispatch.kernels.layout import pack
 from gemv_dispatch.kernels.registry import CANDIDATES
@@ -32,7 +31,7 @@ pytestmark = pytest.mark.skipif(shutil.which("g++") is None and not os.environ.g
 N, K = 72, 1280
 M_SET = (1, 2, 5, 8, 16, 31)
 POISON = np.uint32(0x7FBADBAD)  # a NaN pattern no kernel writes
-KINDS = [(c, "gaussian") for c in FORMATS] + [(c, "bytes") for c in FORMATS] + [
+KINDS = [(c, "gaussian") for c in CODEBOOKS] + [(c, "bytes") for c in CODEBOOKS] + [
     (c, kind) for c in SUPERBLOCK for kind in ("special", "corrupt")]
 
 
@@ -42,8 +41,8 @@ def valid(m: int) -> list:
 
 @pytest.fixture(scope="module")
 def sim() -> hostsim.Simulator:
-    names = {c.template_name(hostsim.codebook_index(cb), m) for cb in FORMATS for m in M_SET for c in valid(m)}
-    return hostsim.build(hostsim.STAGED_SOURCE, tuple(sorted(names)))
+    names = {c.kernel_name(cb, m) for cb in CODEBOOKS for m in M_SET for c in valid(m)}
+    return hostsim.build(program.SOURCE_PATH, tuple(sorted(names)))
 
 
 def seed() -> int:
@@ -108,13 +107,13 @@ def test_kpar_candidates_share_one_workspace(sim):
     qa, expected = emulate.quantize_activations(x), emulated(packed, x)
     kpar = [c for c in valid(16) if c.grid_split]
     assert len({c.split(K) for c in kpar}) >= 3 and {c.engine for c in kpar} == {"dp4a", "mma"}
-    ws = np.zeros(hostsim.ticket_words(N) + max(c.workspace_bytes(16, N, K) for c in kpar) // 4, np.float32)
+    ws = launch.new_workspace(max(c.workspace_bytes(16, N, K) for c in kpar), N, np)
     for _ in range(2):
         for cand in kpar:
             assert_same_bits(sim.gemv(cand, packed, qa, POISON, ws), expected[cand.split(K)], cand.id)
 
 
-@pytest.mark.parametrize("codebook", [c for c in FORMATS if c not in SUPERBLOCK])
+@pytest.mark.parametrize("codebook", [c for c in CODEBOOKS if c not in SUPERBLOCK])
 def test_legacy_formats_on_an_odd_block_count(sim, codebook):
     """KB = 33 (legacy formats only; super-blocks need KB % 8 == 0): odd partition widths, ring chunks cut short,
     N = 40 (one partial tile group per CTA)."""
@@ -174,15 +173,14 @@ MIXED = {
 }
 
 
-def test_a_mixed_q4_k_q6_k_gguf_runs_through_the_staged_kernels(sim, tmp_path):
+def test_a_mixed_q4_k_q6_k_gguf_runs_through_the_kernels(sim, tmp_path):
     """A GGUF file written with the gguf package -> `shapes from-gguf` (a mixed-type inventory) -> the tensor
-    bytes read back exactly -> every staged candidate equals the emulator. The runtime refuses these formats in
-    one line until the staged source is promoted."""
+    bytes read back exactly -> every candidate equals the emulator (on the GPU through the installed table:
+    tests/test_installed.py)."""
     import gguf
     from gemv_dispatch.dispatch import runtime
     from gemv_dispatch.dispatch.shapes import from_gguf
     from gemv_dispatch.kernels.codebooks import quantize
-    from gemv_dispatch.kernels.errors import InputError
 
     rng = np.random.default_rng(seed())
     path = tmp_path / "q4_k_m.gguf"
@@ -204,8 +202,6 @@ def test_a_mixed_q4_k_q6_k_gguf_runs_through_the_staged_kernels(sim, tmp_path):
         packed = runtime.read_gguf_tensor(path, name)
         assert (packed.codebook, packed.n, packed.k) == (codebook, n, k)
         assert np.array_equal(layout.unpack(packed), written[name]), name
-        with pytest.raises(InputError, match=f"codebook {codebook} has no GPU kernel yet"):
-            runtime.prepare(packed)
         xk = np.ascontiguousarray(x[:, :k])
         expected = emulated(packed, xk)
         for m in (1, 16):

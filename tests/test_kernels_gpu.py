@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from bitcheck import assert_same_bits, bits
 from gemv_dispatch.kernels import emulate, layout
-from gemv_dispatch.kernels.codebooks import CODEBOOKS, quantize
+from gemv_dispatch.kernels.codebooks import CODEBOOKS, SUPERBLOCK, get, quantize
 from gemv_dispatch.kernels.errors import InputError
 from gemv_dispatch.kernels.registry import CANDIDATES, candidates_for
 
@@ -14,6 +14,16 @@ pytestmark = pytest.mark.gpu
 
 M_SET = (*range(1, 17), 31)
 POISON = np.uint32(0x7FBADBAD)  # a NaN pattern no kernel writes
+# K of the first shape: 129 blocks for the legacy formats (odd partition widths), 17 super-blocks (136 blocks,
+# partitions that cut Q4_K/Q5_K pairs and Q6_K quads) for the super-block ones.
+ODD_K = {cb: 4352 if cb in SUPERBLOCK else 4128 for cb in CODEBOOKS}
+
+
+def fresh_rng() -> np.random.Generator:
+    """A generator from a fresh seed, printed so a failure on the GPU can be replayed."""
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    print(f"seed {seed}")
+    return np.random.default_rng(seed)
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +63,7 @@ def run(cp, stream, cand, weights, x_np, *, qact=None):
         x = cp.asarray(x_np)
         out = cp.asarray(np.full((m, weights.n), POISON, dtype=np.uint32)).view(cp.float32)
         need = cand.workspace_bytes(m, weights.n, weights.k)
-        ws = cp.full(max(need // 4, 1), np.nan, dtype=cp.float32) if need else None
+        ws = launch.new_workspace(need, weights.n) if need else None
     qact = qact or launch.quantize_activations(x, stream)
     launch.gemv(cand, weights, qact, out, stream, workspace=ws)
     stream.synchronize()
@@ -63,7 +73,7 @@ def run(cp, stream, cand, weights, x_np, *, qact=None):
 def test_activation_kernel_matches_emulator(cp, stream):
     from gemv_dispatch.kernels import launch
 
-    rng = np.random.default_rng()
+    rng = fresh_rng()
     x = adversarial_activations(7, 4128, rng)
     with stream:
         x_dev = cp.asarray(x)
@@ -76,13 +86,15 @@ def test_activation_kernel_matches_emulator(cp, stream):
 
 
 @pytest.mark.parametrize("codebook", CODEBOOKS)
-@pytest.mark.parametrize("n,k,m_set", [(1000, 4128, M_SET), (4096, 14336, (1, 5, 16, 31))])
+@pytest.mark.parametrize("n,k,m_set", [(1000, None, M_SET), (4096, 14336, (1, 5, 16, 31))])
 def test_candidates_equal_emulator_and_serial_m1(cp, stream, codebook, n, k, m_set):
     """Every candidate: bytes == emulator; grouped M == M serial M=1 launches; repeat identical;
     permuted rows permute outputs; every element written."""
     from gemv_dispatch.kernels import launch
 
-    rng = np.random.default_rng()
+    k = k or ODD_K[codebook]
+    assert k % get(codebook).weights == 0
+    rng = fresh_rng()
     packed = make_weights(codebook, n, k, rng)
     weights = launch.to_device(packed)
     m_max = max(m_set)
@@ -110,7 +122,7 @@ def test_candidates_equal_emulator_and_serial_m1(cp, stream, codebook, n, k, m_s
 
 def test_negative_control_identities_differ(cp, stream):
     """Two different identities on random data must give different bytes: the checks above can fail."""
-    rng = np.random.default_rng()
+    rng = fresh_rng()
     n, k = 1000, 4128
     packed = make_weights("Q4_0", n, k, rng)
     from gemv_dispatch.kernels import launch
@@ -125,7 +137,7 @@ def test_negative_control_identities_differ(cp, stream):
 def test_bad_launches_are_refused(cp, stream):
     from gemv_dispatch.kernels import launch
 
-    rng = np.random.default_rng()
+    rng = fresh_rng()
     weights = launch.to_device(make_weights("Q8_0", 64, 256, rng))
     x = cp.asarray(rng.standard_normal((2, 256), dtype=np.float32))
     with pytest.raises(InputError, match="stream 0"):
@@ -161,3 +173,31 @@ def test_bad_launches_are_refused(cp, stream):
     mma = next(c for c in CANDIDATES if c.engine == "mma" and c.family == "wide")
     with pytest.raises(InputError, match="mma tile"):
         launch.gemv(mma, narrow, qact, cp.empty((2, 60), cp.float32), stream)
+
+
+@pytest.mark.parametrize("codebook", ["Q4_0", "Q6_K"])
+def test_kpar_candidates_share_one_workspace_and_leave_its_tickets_zero(cp, stream, codebook):
+    """One-launch kpar on the device: every kpar candidate (both engines, every split) takes turns on one
+    workspace, back to back on one stream, twice over; each equals the emulator and the tickets end zero."""
+    from gemv_dispatch.kernels import launch
+    from gemv_dispatch.kernels.registry import ticket_words
+
+    rng = fresh_rng()
+    n, k, m = 1000, ODD_K[codebook], 16
+    packed = make_weights(codebook, n, k, rng)
+    weights = launch.to_device(packed)
+    x = adversarial_activations(m, k, rng)
+    qa = emulate.quantize_activations(x)
+    kpar = [c for c in candidates_for(m, n, k) if c.grid_split]
+    assert {c.engine for c in kpar} == {"dp4a", "mma"} and len({c.ksplit for c in kpar}) >= 4
+    with stream:
+        ws = launch.new_workspace(max(c.workspace_bytes(m, n, k) for c in kpar), n)
+        qact = launch.quantize_activations(cp.asarray(x), stream)
+        outs = {c.id: cp.full((m, n), POISON, dtype=cp.uint32).view(cp.float32) for c in kpar}
+    for _ in range(2):
+        for cand in kpar:
+            launch.gemv(cand, weights, qact, outs[cand.id], stream, workspace=ws)
+    stream.synchronize()
+    assert not cp.asnumpy(ws[: ticket_words(n)].view(cp.uint32)).any(), "tickets left non-zero"
+    for cand in kpar:
+        assert_same_bits(cp.asnumpy(outs[cand.id]), emulate.gemv_quantized(packed, qa, cand.ksplit), cand.id)

@@ -6,20 +6,20 @@ import types
 import numpy as np
 import pytest
 from gemv_dispatch.kernels import launch, program
-from gemv_dispatch.kernels.codebooks import FORMATS
+from gemv_dispatch.kernels.codebooks import CODEBOOKS
 from gemv_dispatch.kernels.layout import plane_shapes
 
 
 def test_launches_pass_the_planes_in_declared_order():
-    """DeviceWeights.plane_args follows the registered source's declaration, null for a plane the codebook lacks."""
+    """DeviceWeights.plane_args follows the source's declaration, null for a plane the codebook lacks."""
     payload, scale, high = np.zeros(4, np.uint32), np.zeros(2, np.uint16), np.zeros(2, np.uint32)
     weights = launch.DeviceWeights("Q5_0", 8, 32, payload=payload, scale=scale, min=None, high=high)
-    assert program.planes() == ("payload", "high", "scale", "minv")
+    assert program.planes() == ("payload", "high", "scale", "minv", "sub")
     args = weights.plane_args()
-    assert args[0] is payload and args[1] is high and args[2] is scale and args[3] == 0
+    assert args[0] is payload and args[1] is high and args[2] is scale and args[3] == 0 and args[4] == 0
 
 
-@pytest.mark.parametrize("codebook", FORMATS)
+@pytest.mark.parametrize("codebook", CODEBOOKS)
 def test_random_device_weights_have_the_planes_pack_makes(codebook, monkeypatch):
     """kernels.launch.random_weights, run with numpy standing in for CuPy (the same array API): every plane of
     the format, in pack's shapes and dtypes, fp16 scales finite in [1e-3, 1e-2)."""
@@ -38,12 +38,10 @@ def test_random_device_weights_have_the_planes_pack_makes(codebook, monkeypatch)
     assert np.isfinite(scales).all() and (scales >= 9.99e-4).all() and (scales < 1.0001e-2).all()
 
 
-def test_a_source_that_declares_a_sub_plane_gets_it():
-    """The staged source declares the super-block formats' sub-block scale plane fifth."""
-    import hostsim
-
+def test_the_planes_go_in_the_order_the_source_declares():
+    """The source declares the super-block formats' sub-block scale plane fifth; absent planes are null."""
     planes = {name: np.zeros(2, np.uint32) for name in ("payload", "scale", "min", "sub")}
     weights = launch.DeviceWeights("Q4_K", 8, 256, high=None, **planes)
-    args = weights.plane_args(program.declared_planes(hostsim.STAGED_SOURCE.read_text()))
+    args = weights.plane_args()
     assert [a is planes[f] if f in planes else a == 0 for f, a in zip(
         ("payload", "high", "scale", "min", "sub"), args, strict=True)] == [True] * 5

@@ -14,6 +14,7 @@ from gemv_dispatch.kernels.registry import (
     candidates_for,
     instantiations,
     kernel_names,
+    ticket_words,
 )
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -79,7 +80,8 @@ def test_invalid_candidates_say_why_and_valid_ones_cover_n(shape):
         assert gy * by == c.ksplit and gz == bz == 1 and bx == c.threads
         if c.engine == "mma":
             assert n % MMA_OUTPUTS == 0
-        assert c.workspace_bytes(m, n, k) == (4 * c.ksplit * m * n if c.family == "kpar" else 0)
+        assert c.workspace_bytes(m, n, k) == (4 * (ticket_words(n) + c.ksplit * m * n) if c.family == "kpar" else 0)
+        assert gx <= ticket_words(n)  # a ticket per CTA column
 
 
 def test_mma_needs_whole_tiles():

@@ -378,7 +378,7 @@ def write_typed_gguf(path: Path, tensors: dict[str, tuple[tuple[int, ...], str]]
         qtype = gguf.GGMLQuantizationType[gtype]
         if gtype in ("F32", "F16"):
             writer.add_tensor(name, np.zeros(shape, dtype=np.float32 if gtype == "F32" else np.float16))
-        elif gtype in codebooks.FORMATS:
+        elif gtype in codebooks.CODEBOOKS:
             w = rng.standard_normal(shape).astype(np.float32)
             writer.add_tensor(name, codebooks.quantize(gtype, w), raw_dtype=qtype)
         else:  # a type the tool does not run: zero bytes of the right size
@@ -420,16 +420,15 @@ def test_from_gguf_keeps_each_tensors_type(tmp_path):
     assert load_inventory(out) == inv
     entries = json.loads(out.read_text())["shapes"]
     assert entries[1] == {"role": "v", "n": T_KV, "k": T_HIDDEN, "codebooks": ["Q4_K", "Q6_K"]}
-    # The sweep (and tune, which plans through it) accepts the typed inventory; the kernels' codebooks apply.
+    # The sweep (and tune, which plans through it) sweeps each shape in the types it is stored in.
     from gemv_dispatch.dispatch import sweep
-    from gemv_dispatch.kernels.codebooks import CODEBOOKS
 
-    with pytest.warns(UserWarning, match=r"no kernel runs Q4_K \(4 shapes\), Q6_K \(3 shapes\) yet"):
-        plan = sweep.parse_plan("all", "1", "graph", [out])
-    assert plan.codebooks == CODEBOOKS and set(plan.geometries) == set(inv.geometries())
-    assert len(plan.cells()) == len(CODEBOOKS) * len(inv.geometries())  # stored only in super-block types
-    with pytest.raises(InputError, match="Q4_K has no GPU kernel yet"):
-        sweep.parse_plan("Q4_K", "1", "graph", [out])
+    plan = sweep.parse_plan("all", "1", "graph", [out])
+    assert set(plan.geometries) == set(inv.geometries())
+    assert sorted((c.codebook, c.n, c.k) for c in plan.cells()) == sorted(
+        (cb, s.n, s.k) for s in inv.shapes for cb in s.codebooks)
+    only_q6 = sweep.parse_plan("Q6_K", "1", "graph", [out])
+    assert {c.codebook for c in only_q6.cells()} == {"Q6_K"}
 
 
 def test_from_gguf_skips_types_it_cannot_run_and_keeps_float_tensors_untyped(tmp_path):

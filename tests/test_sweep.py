@@ -42,7 +42,7 @@ from gemv_dispatch.dispatch.sweep import (
     run_sweep,
 )
 from gemv_dispatch.dispatch.timing import TimingConfig
-from gemv_dispatch.kernels.codebooks import CODEBOOKS
+from gemv_dispatch.kernels.codebooks import CODEBOOKS, LEGACY
 from gemv_dispatch.kernels.errors import EnvironmentProblem, InputError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -55,7 +55,9 @@ def test_default_plan_is_the_model_inventories_all_codebooks_three_ms_graph():
     assert plan.codebooks == CODEBOOKS and plan.ms == (1, 4, 16) and plan.modes == ("graph",)
     assert plan.timing.cold_l2 and plan.timing.race
     assert len(plan.geometries) == 96
-    assert len(plan.cells()) == 96 * 6 * 3 == 1728
+    whole = [(n, k) for n, k in plan.geometries if k % 256 == 0]  # the super-block formats' geometries
+    assert len(whole) == 90
+    assert len(plan.cells()) == (96 * 6 + 90 * 4) * 3 == 2808
 
 
 def test_plan_options_widen_and_limit(shapes):
@@ -79,23 +81,23 @@ def test_cells_are_grouped_by_geometry_and_parts_deal_whole_geometries(shapes):
 
 def typed_inventory(path: Path) -> Path:
     """A GGUF-derived inventory: the first geometry stored as Q4_0, the second as Q8_0 and Q4_K, plus an
-    untyped shape and a Q6_K-only one."""
+    untyped shape, a Q6_K-only one, and an untyped one whose K (288) holds no whole super-block."""
     (g0, g1), extra = GEOMETRIES, (512, 256)
     shapes = (Shape(*g0, "q", "m", "f", ("Q4_0",)), Shape(*g1, "v", "m", "f", ("Q4_K", "Q8_0")),
-              Shape(*extra, "o", "m", "f"), Shape(1024, 512, "down", "m", "f", ("Q6_K",)))
+              Shape(*extra, "o", "m", "f"), Shape(1024, 512, "down", "m", "f", ("Q6_K",)),
+              Shape(64, 288, "k", "m", "f"))
     return write_inventory(Inventory("m", "f", "gguf:m.gguf", shapes), path)
 
 
 def test_a_typed_inventory_sweeps_each_shape_in_its_own_types(tmp_path):
     inv = typed_inventory(tmp_path / "typed.json")
-    with pytest.warns(UserWarning, match=r"no kernel runs Q4_K \(1 shapes\), Q6_K \(1 shapes\) yet"):
-        plan = parse_plan("all", "1", "graph", [inv])
-    (g0, g1), extra, q6 = GEOMETRIES, (512, 256), (1024, 512)
+    plan = parse_plan("all", "1", "graph", [inv])
+    (g0, g1), extra, q6, odd = GEOMETRIES, (512, 256), (1024, 512), (64, 288)
     assert {(c.codebook, c.n, c.k) for c in plan.cells()} == {
-        ("Q4_0", *g0), ("Q8_0", *g1), *((cb, *extra) for cb in CODEBOOKS), *((cb, *q6) for cb in CODEBOOKS)}
-    with pytest.warns(UserWarning):
-        narrowed = parse_plan("Q8_0", "1", "graph", [inv])
-    assert {(c.codebook, c.n, c.k) for c in narrowed.cells()} == {("Q8_0", *g1), ("Q8_0", *extra), ("Q8_0", *q6)}
+        ("Q4_0", *g0), ("Q8_0", *g1), ("Q4_K", *g1), ("Q6_K", *q6), *((cb, *extra) for cb in CODEBOOKS),
+        *((cb, *odd) for cb in LEGACY)}
+    narrowed = parse_plan("Q8_0", "1", "graph", [inv])
+    assert {(c.codebook, c.n, c.k) for c in narrowed.cells()} == {("Q8_0", *g1), ("Q8_0", *extra), ("Q8_0", *odd)}
     q4_0_only = write_inventory(Inventory("m", "f", "gguf:m.gguf", (Shape(256, 512, "q", "m", "f", ("Q4_0",)),)),
                                 tmp_path / "q4_0.json")
     with pytest.raises(InputError, match=r"no shape in the codebooks asked for \(Q8_0\)"):
@@ -108,13 +110,13 @@ def test_a_typed_replay_sweep_through_the_cli_measures_only_what_the_model_store
     result = invoke("sweep", "--replay", str(source), "--shapes", str(inv), "--corpus-root", str(tmp_path / "out"),
                     "--codebooks", "Q4_0,Q8_0", "--m", "1,4", "--modes", "graph", "--json")
     assert result.exit_code == 2, result.output  # the replayed corpus lacks two geometries
-    assert "8 of 12 cells of the plan cannot be timed" in result.stderr  # (512, 256) and (1024, 512) in both
+    assert "8 of 12 cells of the plan cannot be timed" in result.stderr  # (512, 256) and (64, 288) in both
     with_known = write_inventory(Inventory("m", "f", "gguf:m.gguf", tuple(
         s for s in load_inventory(inv).shapes if s.codebooks and s.role != "down")), tmp_path / "known.json")
     result = invoke("sweep", "--replay", str(source), "--shapes", str(with_known), "--corpus-root",
                     str(tmp_path / "out"), "--codebooks", "Q4_0,Q8_0", "--m", "1,4", "--modes", "graph")
     assert result.exit_code == 0, result.output
-    assert "warning: no kernel runs Q4_K (1 shapes) yet" in result.output
+    assert "warning" not in result.output
     swept = {(c.codebook, c.n, c.k) for c in load(tmp_path / "out" / SLUG).cells()}
     (g0, g1) = GEOMETRIES
     assert swept == {("Q4_0", *g0), ("Q8_0", *g1)}

@@ -1,13 +1,18 @@
-// Quantized GEMV candidates (DESIGN §1-3), one source for every family and codebook.
+// Quantized GEMV candidates (docs/contract.md §1-3), one source for every family and codebook.
+//
+// STAGED: the next version of kernels/cuda/gemv.cu, with the super-block codebooks (Q4_K, Q5_K, Q6_K,
+// IQ4_XS). It replaces that file once the GPU has checked it (bench/next/README.md): until then the kernel
+// digest, the corpus and the certified table stay those of the registered source.
 //
 // Two engines compute the per-block integer dot products; the threads of K partition p walk blocks
 // [p*w, min(KB,(p+1)*w)):
 //   gemv_partial<CB, CPT, MT, GRID_SPLIT>  dp4a, a thread owns CPT outputs and MT rows
 //     wide    in-CTA, S = 1                      (p = threadIdx.y = 0)
 //     direct  in-CTA, S >= 2 partitions          (p = threadIdx.y), partials meet in shared memory
-//     kpar    GRID_SPLIT, S partitions over CTAs (p = blockIdx.y), partials to workspace [S][M][N],
-//             folded by fold_partials
-//   gemv_mma<CB, NT, MTILES, GRID_SPLIT>  int8 tensor cores, a warp owns 8*NT outputs; wide and kpar
+//     kpar    GRID_SPLIT, S partitions over CTAs (p = blockIdx.y), partials to workspace [S][M][N], folded in
+//             the same launch by the last CTA of each column range (fold_last)
+//   gemv_mma<CB, NT, MTILES, GRID_SPLIT>  int8 tensor cores, a warp owns 8*NT outputs; wide and kpar; operands
+//     through a cp.async ring in shared memory (mma_ring) or prefetched in registers (mma_registers)
 //   quantize_activations: x float32 [M][K] -> q int8 [KB][M][32], d_a float [KB][M], sum_a int [KB][M]
 //     (block-major like the weights: the M rows of one block are adjacent, so a warp's fragment loads coalesce)
 //
@@ -17,33 +22,66 @@
 // products are exact int32 (dp4a or mma); accumulation order is fixed by the contract (ascending blocks
 // inside a partition, then ascending partitions from 0.0f). Launch parameters (engine, tiles, threads,
 // family) therefore never change a bit of the output.
+//
+// Super-block formats: a block's scale (and min) derive from the super-block's fp16 d (dmin) and its integer
+// sub-block scales, each product exact in fp32 (§2), so where a kernel derives them cannot change a bit.
+// Their payload rows pair up: a Q4_K/Q5_K row of 16 bytes carries nibbles of two blocks, a Q6_K quad of rows
+// four blocks, so those kernels walk K in groups of 2 (4) blocks that share their loads, and skip the group's
+// blocks outside the partition.
+//
+// With GEMV_HOSTSIM defined the float operations and warp-wide instructions compile to host twins (the same
+// single IEEE roundings, -ffp-contract=off), so tests/hostsim runs these kernels on a CPU.
 
 typedef unsigned int u32;
 typedef unsigned short u16;
 typedef unsigned long long u64;
 
-enum Codebook { Q4_0 = 0, Q4_1 = 1, Q5_0 = 2, Q5_1 = 3, Q8_0 = 4, IQ4_NL = 5 };
+// Indices follow kernels.codebooks.FORMATS.
+enum Codebook { Q4_0 = 0, Q4_1 = 1, Q5_0 = 2, Q5_1 = 3, Q8_0 = 4, IQ4_NL = 5, Q4_K = 6, Q5_K = 7, Q6_K = 8, IQ4_XS = 9 };
 
 template <int CB>
 struct Traits {
-    static constexpr int WORDS = CB == Q8_0 ? 8 : 4;                       // payload u32 words per block
-    static constexpr bool ASYM = CB == Q4_1 || CB == Q5_1;                 // fp16 min plane
-    static constexpr bool HIGH = CB == Q5_0 || CB == Q5_1;                 // u32 high-bit plane
-    static constexpr int OFFSET = CB == Q4_0 ? 8 : (CB == Q5_0 ? 16 : 0);  // code = stored value - OFFSET
+    static constexpr bool SUPER = CB >= Q4_K;                                  // scales from super-block planes
+    static constexpr int WORDS = CB == Q8_0 ? 8 : 4;                           // payload u32 words per row
+    static constexpr int GROUP = CB == Q4_K || CB == Q5_K ? 2 : (CB == Q6_K ? 4 : 1);  // blocks sharing rows
+    static constexpr bool ASYM = CB == Q4_1 || CB == Q5_1 || CB == Q4_K || CB == Q5_K;  // a min per block
+    static constexpr bool HIGH = CB == Q5_0 || CB == Q5_1;                     // u32 high-bit plane per block
+    static constexpr bool TABLE = CB == IQ4_NL || CB == IQ4_XS;                // IQ4_NL kvalues of the nibble
+    static constexpr int OFFSET = CB == Q4_0 ? 8 : (CB == Q5_0 ? 16 : 0);      // code = stored value - OFFSET
+    static constexpr int HALVES = CB == Q6_K ? 2 : 1;                          // scales per block
+    // Blocks whose sub-block scales a column holds at once (SubScales: Q4_K/Q5_K 12 bytes, IQ4_XS 6, Q6_K the 8
+    // of a quad) and the words they take.
+    static constexpr int SPAN = CB == Q6_K ? 4 : 8;
+    static constexpr int SUB_WORDS = CB == Q4_K || CB == Q5_K ? 3 : 2;
+    // Columns a dp4a thread decodes at once: a paired format's group holds 2-4 payload rows (and Q5_K the
+    // super-block's 8 qh words) per column, so those walk their CPT columns one (Q6_K) or two at a time.
+    static constexpr int COLUMNS = CB == Q6_K ? 1 : (GROUP > 1 ? 2 : 16);
+    // The tensor-core engine streams the operands through a shared-memory ring (mma_ring), else registers.
+    static constexpr bool RING = !SUPER && CB != Q8_0;
 };
 
-#define F32_BINARY(name, op)                                           \
+#ifndef GEMV_HOSTSIM
+#define F32_BINARY(name, op, host)                                     \
     __device__ __forceinline__ float name(float a, float b) {          \
         float r;                                                       \
         asm(op " %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));             \
         return r;                                                      \
     }
-F32_BINARY(add_rn, "add.rn.f32")
-F32_BINARY(mul_rn, "mul.rn.f32")
-F32_BINARY(div_rn, "div.rn.f32")
-F32_BINARY(max_f32, "max.f32")
-F32_BINARY(min_f32, "min.f32")
+#define DYNAMIC_SHARED(type, name) extern __shared__ type name[]
+#else
+// PTX float operations return the canonical NaN 0x7FFFFFFF; x86 returns an operand's NaN or 0xFFC00000.
+inline float canonical(float r) { return r != r ? __uint_as_float(0x7FFFFFFFu) : r; }
+#define F32_BINARY(name, op, host) \
+    inline float name(float a, float b) { return canonical(host); }
+#define DYNAMIC_SHARED(type, name) type* name = reinterpret_cast<type*>(hostsim::self().shared)
+#endif
+F32_BINARY(add_rn, "add.rn.f32", a + b)
+F32_BINARY(mul_rn, "mul.rn.f32", a * b)
+F32_BINARY(div_rn, "div.rn.f32", a / b)
+F32_BINARY(max_f32, "max.f32", std::fmax(a, b))
+F32_BINARY(min_f32, "min.f32", std::fmin(a, b))
 
+#ifndef GEMV_HOSTSIM
 __device__ __forceinline__ float abs_f32(float a) {
     float r;
     asm("abs.f32 %0, %1;" : "=f"(r) : "f"(a));
@@ -68,6 +106,26 @@ __device__ __forceinline__ float half_bits_to_float(u16 h) {
     return f;
 }
 
+// float(s) for |s| < 2^22, exactly: see magic_to_float.
+__device__ __forceinline__ float sub_rn(float a, float b) {
+    float r;
+    asm("sub.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+#else
+inline float abs_f32(float a) { return std::fabs(a); }
+inline float rint_f32(float a) { return std::nearbyint(a); }
+inline int to_int_rz(float a) { return a != a ? 0 : (int)a; }  // only ever sees |a| <= 127
+inline float half_bits_to_float(u16 h) { return hostsim_half_to_float(h); }
+inline float sub_rn(float a, float b) { return canonical(a - b); }
+#endif
+
+// An exact small integer (a sub-block scale) as float: cvt.rn.f32.s32 has no flushing variant to fear.
+__device__ __forceinline__ float int_to_float(int i) { return (float)i; }
+
+// -x as a sign flip: exact for every input (a PTX neg may flush a subnormal under -ftz=true).
+__device__ __forceinline__ float negate(float x) { return __uint_as_float(__float_as_uint(x) ^ 0x80000000u); }
+
 // Bits 0..3 of h become bit 4 of bytes 0..3 (the fifth bit of four consecutive Q5 values).
 __device__ __forceinline__ u32 high_bits_to_bytes(u32 h) {
     return ((h << 4) & 0x10u) | ((h << 11) & 0x1000u) | ((h << 18) & 0x100000u) | ((h << 25) & 0x10000000u);
@@ -89,13 +147,20 @@ __device__ __forceinline__ void iq4nl_lookup(u32 w, u32& lo, u32& hi) {
     hi = __byte_perm(r[0], r[1], 0x7531u);  // values of elements 16+4k..16+4k+3
 }
 
-// Elements 4k..4k+3 (lo) and 16+4k..16+4k+3 (hi) of a block as int8 words, in activation order.
+// Four unsigned 6-bit codes (one per byte) minus 32, as int8 bytes: flipping bit 5 gives the 6-bit two's
+// complement of u - 32, which the multiply by 6 sign-extends into bits 6 and 7 (0x20 * 6 = 0xC0, no carry).
+__device__ __forceinline__ u32 centre6(u32 u) {
+    const u32 y = u ^ 0x20202020u;
+    return y | ((y & 0x20202020u) * 6u);
+}
+
+// Elements 4k..4k+3 (lo) and 16+4k..16+4k+3 (hi) of a legacy block as int8 words, in activation order.
 // `w` is payload word k; Q8_0, one element per byte, passes word k+4 as `w_hi`.
 template <int CB>
 __device__ __forceinline__ void decode_word(u32 w, u32 w_hi, u32 high, int k, int& lo, int& hi) {
     if (CB == Q8_0) {
         lo = (int)w, hi = (int)w_hi;
-    } else if (CB == IQ4_NL) {
+    } else if (Traits<CB>::TABLE) {
         u32 l, h;
         iq4nl_lookup(w, l, h);
         lo = (int)l, hi = (int)h;
@@ -109,21 +174,90 @@ __device__ __forceinline__ void decode_word(u32 w, u32 w_hi, u32 high, int k, in
     }
 }
 
-// Decode one block's payload to 8 words of int8 values in activation order (word k = elements 4k..4k+3).
+// Word k of block u of a group, for the paired formats: `w0`, `w1` are word k of the two payload rows that hold
+// the block's elements 0..15 and 16..31; `h0`, `h1` the code bits above the nibble for those elements, already in
+// place (bit 4, and bit 5 for Q6_K) of each byte. Q4_K/Q5_K block u takes nibble u of rows 0, 1 of the pair;
+// Q6_K block u nibble u/2 of rows 2(u%2), 2(u%2)+1 of the quad.
 template <int CB>
-__device__ __forceinline__ void decode_block(const u32 (&w)[Traits<CB>::WORDS], u32 high, int (&v)[8]) {
-#pragma unroll
-    for (int k = 0; k < 4; ++k) decode_word<CB>(w[k], w[CB == Q8_0 ? k + 4 : k], high, k, v[k], v[k + 4]);
+__device__ __forceinline__ void decode_paired(u32 w0, u32 w1, u32 h0, u32 h1, int u, int& lo, int& hi) {
+    const int shift = CB == Q6_K ? 4 * (u >> 1) : 4 * u;
+    u32 l = ((w0 >> shift) & 0x0F0F0F0Fu) | h0, h = ((w1 >> shift) & 0x0F0F0F0Fu) | h1;
+    if (CB == Q6_K) l = centre6(l), h = centre6(h);
+    lo = (int)l, hi = (int)h;
+}
+
+// The bit of Q5_K block j (of its super-block) for four consecutive elements, from their qh word, at bit 4.
+__device__ __forceinline__ u32 q5k_high(u32 qh, int j) { return ((qh >> j) & 0x01010101u) << 4; }
+// The two bits of Q6_K block u (of its quad) for four consecutive elements, from their qh word, at bits 4-5.
+__device__ __forceinline__ u32 q6k_high(u32 qh, int u) { return ((qh >> (2 * u)) & 0x03030303u) << 4; }
+
+// Sub-block scale bytes of one super-block column, as the kernels hold them (little-endian words).
+struct SubScales {
+    u32 w[4];
+
+    // Q4_K/Q5_K (GGUF get_scale_min): 6-bit scale and min of block j.
+    __device__ __forceinline__ void k6(int j, int& scale, int& min) const {
+        if (j < 4) {
+            scale = (w[0] >> (8 * j)) & 63, min = (w[1] >> (8 * j)) & 63;
+        } else {
+            const int s = 8 * (j - 4);
+            const u32 md = (w[2] >> s) & 0xFFu;
+            scale = (md & 0xF) | (((w[0] >> (s + 6)) & 3) << 4);
+            min = (md >> 4) | (((w[1] >> (s + 6)) & 3) << 4);
+        }
+    }
+    // IQ4_XS: w[0] = scales_h (16 bits), w[1] = scales_l (32 bits); the 6-bit scale minus 32 of block j.
+    __device__ __forceinline__ int xs(int j) const {
+        return (int)(((w[1] >> (4 * j)) & 0xF) | (((w[0] >> (2 * j)) & 3) << 4)) - 32;
+    }
+    // Q6_K, holding the 8 scale bytes of block j's quad: the int8 scale of half h of block j (the word chosen by a
+    // select: j is no compile-time constant, and an indexed register array would go to local memory).
+    __device__ __forceinline__ int q6(int j, int h) const {
+        return (int)(signed char)((j & 2 ? w[1] : w[0]) >> (8 * (2 * (j & 1) + h)));
+    }
+};
+
+// Column `col` of super-block `sb` (at = sb * N + col): the sub-block scale bytes of block b0's span. Q4_K/Q5_K
+// (12 bytes) and Q6_K (8 of 16 per quad) sit on 4-byte (8-byte) boundaries; IQ4_XS (6 bytes) on 2-byte ones.
+template <int CB>
+__device__ __forceinline__ SubScales load_sub(const unsigned char* __restrict__ sub, u64 at, int b0) {
+    SubScales s{{0u, 0u, 0u, 0u}};
+    if (CB == Q6_K) {
+        const uint2 x = __ldg(reinterpret_cast<const uint2*>(sub + at * 16) + ((b0 >> 2) & 1));
+        s.w[0] = x.x, s.w[1] = x.y;
+    } else if (CB == IQ4_XS) {
+        const u16* p = reinterpret_cast<const u16*>(sub + at * 6);
+        s.w[0] = __ldg(p);
+        s.w[1] = (u32)__ldg(p + 1) | ((u32)__ldg(p + 2) << 16);
+    } else {
+        const u32* p = reinterpret_cast<const u32*>(sub + at * 12);
+        s.w[0] = __ldg(p), s.w[1] = __ldg(p + 1), s.w[2] = __ldg(p + 2);
+    }
+    return s;
+}
+
+// Block j's derived scales (one per half) and min from the super-block's d, dmin and sub-block scales:
+// d_w = d * sc (Q6_K: per half), m_w = -(dmin * m), each an exact fp32 product (§2).
+template <int CB>
+__device__ __forceinline__ void derive(float d, float dmin, const SubScales& s, int j,
+                                       float (&d_w)[Traits<CB>::HALVES], float& m_w) {
+    if (CB == Q6_K) {
+        d_w[0] = mul_rn(d, int_to_float(s.q6(j, 0)));
+        d_w[Traits<CB>::HALVES - 1] = mul_rn(d, int_to_float(s.q6(j, 1)));
+    } else if (CB == IQ4_XS) {
+        d_w[0] = mul_rn(d, int_to_float(s.xs(j)));
+    } else {
+        int sc, m;
+        s.k6(j, sc, m);
+        d_w[0] = mul_rn(d, int_to_float(sc));
+        m_w = negate(mul_rn(dmin, int_to_float(m)));
+    }
 }
 
 // float(s) for |s| < 2^22 (a block dot product is at most 32*128*127 in magnitude), exactly and at full ALU
 // rate, unlike I2F: an integer add places s in the mantissa of 1.5*2^23 (MAGIC), the subtraction is exact.
 constexpr int MAGIC = 0x4B400000;
-__device__ __forceinline__ float magic_to_float(int magic_plus_s) {
-    float r;
-    asm("sub.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(__int_as_float(magic_plus_s)), "f"(12582912.0f));
-    return r;
-}
+__device__ __forceinline__ float magic_to_float(int magic_plus_s) { return sub_rn(__int_as_float(magic_plus_s), 12582912.0f); }
 
 // What one activation row of one block contributes to every weight column's term.
 template <int CB>
@@ -136,25 +270,149 @@ struct RowBlock {
         return RowBlock{d_a, magic_to_float(MAGIC + s_a), MAGIC - Traits<CB>::OFFSET * s_a};
     }
 
-    // The block's term t (DESIGN §1) from the raw integer dot product Σuq with a weight column.
-    __device__ __forceinline__ float term(int raw_dot, float d_w, float m_w) const {
-        float t = mul_rn(mul_rn(d_a, d_w), magic_to_float(bias + raw_dot));
+    // The block's term t (§1, §2) from the raw integer dot products Σuq with a weight column, one per half.
+    __device__ __forceinline__ float term(const int (&raw)[Traits<CB>::HALVES], const float (&d_w)[Traits<CB>::HALVES],
+                                          float m_w) const {
+        float t = mul_rn(mul_rn(d_a, d_w[0]), magic_to_float(bias + raw[0]));
+        if (Traits<CB>::HALVES == 2)
+            t = add_rn(t, mul_rn(mul_rn(d_a, d_w[Traits<CB>::HALVES - 1]), magic_to_float(bias + raw[Traits<CB>::HALVES - 1])));
         if (Traits<CB>::ASYM) t = add_rn(t, mul_rn(mul_rn(d_a, m_w), sum_a));
         return t;
     }
 };
 
+// The planes of one weight matrix (docs/contract.md §2); planes a codebook lacks are null.
+struct Planes {
+    const u32* __restrict__ payload;     // [KB][N][WORDS]
+    const u32* __restrict__ high;        // legacy Q5, Q5_K: [KB][N]; Q6_K: [KB][N][2]
+    const u16* __restrict__ scale;       // fp16 d: [KB][N]; super-block formats [KB/8][N]
+    const u16* __restrict__ minv;        // fp16 m: [KB][N]; K-quants dmin [KB/8][N]
+    const unsigned char* __restrict__ sub;  // super-block formats: sub-block scales [KB/8][N][sc bytes]
+};
+
+// The parameters of every GEMV kernel, in the launchers' order (kernels.program.declared_signature reads them):
+// the planes, the block-major activations (q, d_a, sum_a), M, N, KB, the partition width, the output y [M][N],
+// and kpar's workspace (null for the one-CTA families): ticket_words(N) u32 ticket counters, one per CTA column,
+// zero before the first launch (each launch leaves them zero), then the partials [S][M][N] fp32. The tickets sit
+// first, at a size fixed by N, so candidates of any S and CTA width can share one workspace.
+#define GEMV_PARAMS                                                                                        \
+    const u32* __restrict__ payload, const u32* __restrict__ high, const u16* __restrict__ scale,          \
+        const u16* __restrict__ minv, const unsigned char* __restrict__ sub, const int* __restrict__ qa,     \
+        const float* __restrict__ da, const int* __restrict__ sa, int M, int N, int KB, int width,        \
+        float* __restrict__ out, float* __restrict__ ws
+
+// One ticket per 8 outputs bounds the CTA columns of every candidate; a multiple of 4 words keeps the partials
+// 16-byte aligned.
+__device__ __forceinline__ int ticket_words(int N) { return ((N + 7) / 8 + 3) / 4 * 4; }
+
+// kpar's fold, in the kernel: every CTA has written its partition's partials of the columns
+// [col_begin, col_begin + cols) to the workspace; the one that draws the last ticket of its column range (an
+// integer counter: no float atomics) folds y = ((0 + acc_0) + acc_1) + ... in ascending p, the contract's order,
+// and resets the counter for the next launch.
+#ifndef GEMV_HOSTSIM
+__device__ __forceinline__ float load_l2(const float* p) { return __ldcg(p); }  // written by other SMs: not L1
+#else
+inline float load_l2(const float* p) { return *p; }
+#endif
+__device__ __forceinline__ void fold_last(float* __restrict__ ws, float* __restrict__ out, int S, int M, int N,
+                                          int col_begin, int cols) {
+    unsigned* tickets = reinterpret_cast<unsigned*>(ws);
+    const float* partials = ws + ticket_words(N);
+    const int tid = threadIdx.x + blockDim.x * threadIdx.y, threads = blockDim.x * blockDim.y;
+    __threadfence();  // this thread's partials are visible device-wide before its CTA's ticket
+    __syncthreads();
+    // One thread draws the ticket; the barrier's vote tells every thread (no shared memory: the ring uses it all).
+    const bool drew_last = tid == 0 && atomicAdd(tickets + blockIdx.x, 1u) == (unsigned)(S - 1);
+    if (!__syncthreads_or(drew_last)) return;
+    __threadfence();
+    for (int i = tid; i < M * cols; i += threads) {
+        const int r = i / cols, c = col_begin + i % cols;
+        if (c >= N) continue;
+        const u64 at = (u64)r * N + c;
+        float y = 0.0f;
+        for (int q = 0; q < S; ++q) y = add_rn(y, load_l2(partials + (u64)q * M * N + at));
+        out[at] = y;
+    }
+    if (tid == 0) tickets[blockIdx.x] = 0u;  // every CTA of the range has drawn its ticket
+}
+
+// One column's weights for one group of blocks (dp4a engine): the group's payload rows, its high bits, and the
+// scales of its blocks (legacy: read from the planes; super-block formats: derived per block).
+template <int CB>
+struct ColumnGroup {
+    typedef Traits<CB> T;
+    static constexpr int QH = CB == Q5_K ? 8 : (CB == Q6_K ? 8 : 1);  // Q5_K: the super-block's; Q6_K: the quad's
+    u32 w[T::GROUP][T::WORDS];
+    u32 qh[QH];
+    float d, dmin;  // legacy: the block's scale and min; super-block formats: the super-block's
+    SubScales sub;
+
+    // Group `grp` (blocks grp*GROUP ...) of column `col`. Super-block fields are reloaded only when `fresh`
+    // (a new SPAN of blocks).
+    __device__ __forceinline__ void load(const Planes& P, int grp, int col, int N, bool fresh) {
+        const int b0 = grp * T::GROUP;
+#pragma unroll
+        for (int i = 0; i < T::GROUP; ++i) {
+            const u64 at = (u64)(b0 + i) * N + col;
+#pragma unroll
+            for (int v = 0; v < T::WORDS / 4; ++v) {
+                const uint4 x = __ldg(reinterpret_cast<const uint4*>(P.payload + at * T::WORDS) + v);
+                w[i][4 * v] = x.x, w[i][4 * v + 1] = x.y, w[i][4 * v + 2] = x.z, w[i][4 * v + 3] = x.w;
+            }
+            if (CB == Q6_K) {
+                const uint2 h = __ldg(reinterpret_cast<const uint2*>(P.high) + at);
+                qh[2 * i] = h.x, qh[2 * i + 1] = h.y;
+            }
+        }
+        if (!T::SUPER) {
+            const u64 at = (u64)b0 * N + col;
+            qh[0] = T::HIGH ? __ldg(P.high + at) : 0u;
+            d = half_bits_to_float(__ldg(P.scale + at));
+            dmin = T::ASYM ? half_bits_to_float(__ldg(P.minv + at)) : 0.0f;
+        } else if (fresh) {
+            const int sb = b0 >> 3;
+            const u64 at = (u64)sb * N + col;
+            d = half_bits_to_float(__ldg(P.scale + at));
+            dmin = T::ASYM ? half_bits_to_float(__ldg(P.minv + at)) : 0.0f;
+            sub = load_sub<CB>(P.sub, at, b0);
+            if (CB == Q5_K)
+#pragma unroll
+                for (int i = 0; i < 8; ++i) qh[i] = __ldg(P.high + (u64)(8 * sb + i) * N + col);
+        }
+    }
+
+    // Block u of the group (block b of the matrix): int8 words v[k] = elements 4k..4k+3, its scales and min.
+    __device__ __forceinline__ void block(int u, int b, int (&v)[8], float (&d_w)[T::HALVES], float& m_w) const {
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            if constexpr (T::GROUP == 1) {
+                decode_word<CB>(w[0][k], w[0][CB == Q8_0 ? k + 4 : k], qh[0], k, v[k], v[k + 4]);
+            } else if constexpr (CB == Q6_K) {
+                const int r = 2 * (u & 1);
+                decode_paired<CB>(w[r][k], w[r + 1][k], q6k_high(qh[k], u), q6k_high(qh[4 + k], u), u, v[k], v[k + 4]);
+            } else {
+                const u32 h0 = CB == Q5_K ? q5k_high(qh[k], b & 7) : 0u, h1 = CB == Q5_K ? q5k_high(qh[4 + k], b & 7) : 0u;
+                decode_paired<CB>(w[0][k], w[1][k], h0, h1, u, v[k], v[k + 4]);
+            }
+        }
+        if (T::SUPER) {
+            derive<CB>(d, dmin, sub, b & 7, d_w, m_w);
+        } else {
+            d_w[0] = d, m_w = dmin;
+        }
+    }
+};
+
 // 512 threads at most (direct: threads x S <= 512) caps registers at 128 so every launch fits an SM.
 template <int CB, int CPT, int MT, bool GRID_SPLIT>
-__global__ void gemv_partial(const u32* __restrict__ payload, const u32* __restrict__ high,
-                             const u16* __restrict__ scale, const u16* __restrict__ minv,
-                             const int* __restrict__ qa, const float* __restrict__ da,
-                             const int* __restrict__ sa, int M, int N, int KB, int width,
-                             float* __restrict__ out) {
+__global__ void gemv_partial(GEMV_PARAMS) {
     typedef Traits<CB> T;
-    // Loads of several blocks in flight; fewer when the tile already holds many registers.
-    constexpr int UNROLL = MT * CPT <= 2 ? 4 : (MT * CPT <= 4 ? 2 : 1);
-    extern __shared__ float partials[];  // direct family: [S-1][MT][blockDim.x*CPT]
+    constexpr int G = T::GROUP, H = T::HALVES, CC = T::COLUMNS < CPT ? T::COLUMNS : CPT;
+    // Loads of several blocks in flight; fewer when the tile already holds many registers. A group of the
+    // paired formats already loads 2 (Q6_K: 4) blocks.
+    constexpr int UNROLL = G == 4 ? 1 : (MT * CC <= 2 ? 4 / G : (MT * CC <= 4 ? 2 / G : 1));
+    DYNAMIC_SHARED(float, partials);  // direct family: [S-1][MT][blockDim.x*CPT]
+    const Planes P{payload, high, scale, minv, sub};
 
     const int S = GRID_SPLIT ? gridDim.y : blockDim.y;
     const int p = GRID_SPLIT ? blockIdx.y : threadIdx.y;
@@ -162,6 +420,7 @@ __global__ void gemv_partial(const u32* __restrict__ payload, const u32* __restr
     const bool live = col0 < N;  // the registry guarantees N % CPT == 0
     const int b_begin = p * width;
     const int b_end = min(KB, b_begin + width);
+    const int g_begin = b_begin / G, g_end = (b_end + G - 1) / G;
 
     for (int m0 = 0; m0 < M; m0 += MT) {
         const int rows = min(MT, M - m0);
@@ -172,46 +431,48 @@ __global__ void gemv_partial(const u32* __restrict__ payload, const u32* __restr
             for (int c = 0; c < CPT; ++c) acc[r][c] = 0.0f;
 
         if (live) {
+#pragma unroll
+          for (int c0 = 0; c0 < CPT; c0 += CC) {  // columns [c0, c0 + CC) walk K together
+            ColumnGroup<CB> col[CC];
 #pragma unroll(UNROLL)
-            for (int b = b_begin; b < b_end; ++b) {
-                // Decode each weight block once per row tile.
-                int v[CPT][8];
-                float dw[CPT], mw[CPT];
+            for (int grp = g_begin; grp < g_end; ++grp) {
+                const bool fresh = grp == g_begin || (grp * G) % T::SPAN == 0;
 #pragma unroll
-                for (int c = 0; c < CPT; ++c) {
-                    const u64 at = (u64)b * N + col0 + c;
-                    u32 w[T::WORDS];
+                for (int c = 0; c < CC; ++c) col[c].load(P, grp, col0 + c0 + c, N, fresh);
 #pragma unroll
-                    for (int i = 0; i < T::WORDS / 4; ++i) {
-                        const uint4 x = __ldg(reinterpret_cast<const uint4*>(payload + at * T::WORDS) + i);
-                        w[4 * i] = x.x, w[4 * i + 1] = x.y, w[4 * i + 2] = x.z, w[4 * i + 3] = x.w;
-                    }
-                    decode_block<CB>(w, T::HIGH ? __ldg(high + at) : 0u, v[c]);
-                    dw[c] = half_bits_to_float(__ldg(scale + at));
-                    mw[c] = T::ASYM ? half_bits_to_float(__ldg(minv + at)) : 0.0f;
-                }
+                for (int u = 0; u < G; ++u) {
+                    const int b = grp * G + u;
+                    if (G > 1 && (b < b_begin || b >= b_end)) continue;  // uniform: the group's edge
+                    // Decode each weight block once per row tile.
+                    int v[CC][8];
+                    float dw[CC][H], mw[CC];
 #pragma unroll
-                for (int r = 0; r < MT; ++r) {
-                    if (r < rows) {
-                        const u64 ab = (u64)b * M + m0 + r;
-                        const int4 q0 = __ldg(reinterpret_cast<const int4*>(qa) + 2 * ab);
-                        const int4 q1 = __ldg(reinterpret_cast<const int4*>(qa) + 2 * ab + 1);
-                        const RowBlock<CB> row = RowBlock<CB>::of(__ldg(da + ab), __ldg(sa + ab));
+                    for (int c = 0; c < CC; ++c) col[c].block(u, b, v[c], dw[c], mw[c]);
 #pragma unroll
-                        for (int c = 0; c < CPT; ++c) {
-                            int s = __dp4a(v[c][0], q0.x, 0);
-                            s = __dp4a(v[c][1], q0.y, s);
-                            s = __dp4a(v[c][2], q0.z, s);
-                            s = __dp4a(v[c][3], q0.w, s);
-                            s = __dp4a(v[c][4], q1.x, s);
-                            s = __dp4a(v[c][5], q1.y, s);
-                            s = __dp4a(v[c][6], q1.z, s);
-                            s = __dp4a(v[c][7], q1.w, s);
-                            acc[r][c] = add_rn(acc[r][c], row.term(s, dw[c], mw[c]));
+                    for (int r = 0; r < MT; ++r) {
+                        if (r < rows) {
+                            const u64 ab = (u64)b * M + m0 + r;
+                            const int4 q0 = __ldg(reinterpret_cast<const int4*>(qa) + 2 * ab);
+                            const int4 q1 = __ldg(reinterpret_cast<const int4*>(qa) + 2 * ab + 1);
+                            const RowBlock<CB> row = RowBlock<CB>::of(__ldg(da + ab), __ldg(sa + ab));
+#pragma unroll
+                            for (int c = 0; c < CC; ++c) {
+                                int s[H];
+                                s[0] = __dp4a(v[c][0], q0.x, 0);
+                                s[0] = __dp4a(v[c][1], q0.y, s[0]);
+                                s[0] = __dp4a(v[c][2], q0.z, s[0]);
+                                s[0] = __dp4a(v[c][3], q0.w, s[0]);
+                                s[H - 1] = __dp4a(v[c][4], q1.x, H == 2 ? 0 : s[0]);  // Q6_K: the high half apart
+                                s[H - 1] = __dp4a(v[c][5], q1.y, s[H - 1]);
+                                s[H - 1] = __dp4a(v[c][6], q1.z, s[H - 1]);
+                                s[H - 1] = __dp4a(v[c][7], q1.w, s[H - 1]);
+                                acc[r][c0 + c] = add_rn(acc[r][c0 + c], row.term(s, dw[c], mw[c]));
+                            }
                         }
                     }
                 }
             }
+          }
         }
 
         if (GRID_SPLIT) {
@@ -220,7 +481,8 @@ __global__ void gemv_partial(const u32* __restrict__ payload, const u32* __restr
                 for (int r = 0; r < MT; ++r)
                     if (r < rows)
 #pragma unroll
-                        for (int c = 0; c < CPT; ++c) out[((u64)p * M + m0 + r) * N + col0 + c] = acc[r][c];
+                        for (int c = 0; c < CPT; ++c)
+                            ws[ticket_words(N) + ((u64)p * M + m0 + r) * N + col0 + c] = acc[r][c];
         } else {
             const int stride = blockDim.x * CPT;
             const int lcol = threadIdx.x * CPT;
@@ -246,146 +508,442 @@ __global__ void gemv_partial(const u32* __restrict__ payload, const u32* __restr
             if (S > 1) __syncthreads();  // the partials are reused by the next row tile
         }
     }
+    if constexpr (GRID_SPLIT) fold_last(ws, out, S, M, N, blockIdx.x * blockDim.x * CPT, blockDim.x * CPT);
 }
 
 // Tensor-core engine, a launch choice of wide (S = 1) and kpar (GRID_SPLIT): mma.sync m16n8k32 s8 yields a
 // block's dot products exactly in int32, so the bytes equal the dp4a engine's. A = activations (16 rows of
 // an M tile, rows past M are zero), B = weights (8 outputs), C[row][output]. GGUF's nibble order fits the
 // fragments: lane (g, t) needs elements 4t..4t+3 and 16+4t..16+4t+3 of a block, which are the two nibble
-// halves of payload word t, and its C rows g, g+8 are the A rows whose d_a and sum_a it loads.
+// halves of payload word t, and its C rows g, g+8 are the A rows whose d_a and sum_a it loads. A Q6_K block
+// takes two mmas, one per 16-element half (the other half's B register zero), for its two scales.
+#ifndef GEMV_HOSTSIM
 __device__ __forceinline__ void mma_s8(const int (&a)[4], int b0, int b1, int (&c)[4]) {
     asm volatile(
         "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%10,%10,%10};"
         : "=r"(c[0]), "=r"(c[1]), "=r"(c[2]), "=r"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(0));
 }
+#else
+inline void mma_s8(const int (&a)[4], int b0, int b1, int (&c)[4]) { hostsim::mma_m16n8k32_s8(a, b0, b1, c); }
+#endif
 
-// A lane's weight words for one (block, 8-output tile): its B column's payload word (Q8_0: two), the fp16
-// pair of scales (and mins) of its two C columns, and its B column's high bits (Q5).
+// A lane's weight words for one (group, 8-output tile): word t of its B column's payload rows (Q8_0: and word
+// 4+t), the fp16 pairs of scales (and mins) of its two C columns and its B column's high bits (legacy Q5; Q6_K:
+// the qh words of elements 4t.. and 16+4t.. of the quad).
 template <int CB>
 struct TileWords {
-    u32 w, w_hi, scales, mins, high;
+    u32 w[Traits<CB>::GROUP], w_hi, scales, mins, high[2];
 };
 
-// A warp owns 8*NT consecutive outputs (N % 8 == 0, so a tile is wholly in or out) and M tiles of
-// 16*MTILES rows. Weights of DEPTH blocks are loaded before any is used: 32 registers of loads in flight
-// per lane keep HBM busy. No barriers, so a warp past N returns.
+// A lane's super-block fields for one tile: fp16 pairs of d (and dmin) of its two C columns, their sub-block
+// scales, and (Q5_K) the qh words of its B column for elements 4t.. and 16+4t...
+struct TileSuper {
+    u32 d, dmin, qh[2];
+    SubScales sub[2];
+};
+
+template <int CB>
+__device__ __forceinline__ TileSuper load_tile_super(const Planes& P, int b0, u64 col, int g, int t, int N) {
+    TileSuper s;
+    const int sb = b0 >> 3;
+    const u64 at = (u64)sb * N + col + 2 * t;  // C column 2t of the tile; N even: the pairs are aligned
+    s.d = __ldg(reinterpret_cast<const u32*>(P.scale + at));
+    s.dmin = Traits<CB>::ASYM ? __ldg(reinterpret_cast<const u32*>(P.minv + at)) : 0u;
+    if (CB == IQ4_XS) {  // 12 bytes for the two columns, 4-byte aligned: scales_h, scales_l of each
+        const u32* p = reinterpret_cast<const u32*>(P.sub + at * 6);
+        const u32 w0 = __ldg(p), w1 = __ldg(p + 1), w2 = __ldg(p + 2);
+        s.sub[0] = SubScales{{w0 & 0xFFFFu, (w0 >> 16) | (w1 << 16), 0u, 0u}};
+        s.sub[1] = SubScales{{w1 >> 16, w2, 0u, 0u}};
+    } else {
+        s.sub[0] = load_sub<CB>(P.sub, at, b0);
+        s.sub[1] = load_sub<CB>(P.sub, at + 1, b0);
+    }
+    s.qh[0] = s.qh[1] = 0u;
+    if (CB == Q5_K) {
+        s.qh[0] = __ldg(P.high + (u64)(8 * sb + t) * N + col + g);
+        s.qh[1] = __ldg(P.high + (u64)(8 * sb + 4 + t) * N + col + g);
+    }
+    return s;
+}
+
+// One block's contribution to one 8-output tile of a warp, both engines: the mma (two for Q6_K's halves) of each
+// M tile with the tile's decoded B words `lo`, `hi`, then the terms of the lane's C values in the contract's
+// order. `a`, `rows`: the A fragments and row data of the lane's C rows g and g+8 of each M tile.
+template <int CB, int MTILES>
+__device__ __forceinline__ void mma_tile(const int (&a)[MTILES][4], const RowBlock<CB> (&rows)[MTILES][2], int lo,
+                                         int hi, const float (&d_w)[2][Traits<CB>::HALVES], const float (&m_w)[2],
+                                         int m0, int M, float (&acc)[MTILES][4]) {
+    constexpr int H = Traits<CB>::HALVES;
+#pragma unroll
+    for (int i = 0; i < MTILES; ++i) {
+        if (m0 + 16 * i >= M) break;  // warp-uniform
+        int c[H][4];
+        if (H == 2) {
+            mma_s8(a[i], lo, 0, c[0]);
+            mma_s8(a[i], 0, hi, c[H - 1]);
+        } else {
+            mma_s8(a[i], lo, hi, c[0]);
+        }
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            if (h == 1 && m0 + 16 * i + 8 >= M) break;  // warp-uniform: no rows g+8
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                int raw[H];
+#pragma unroll
+                for (int q = 0; q < H; ++q) raw[q] = c[q][2 * h + e];
+                acc[i][2 * h + e] = add_rn(acc[i][2 * h + e], rows[i][h].term(raw, d_w[e], m_w[e]));
+            }
+        }
+    }
+}
+
+// The warp's results for one M pass: C columns 2t, 2t+1 of rows g, g+8 of each tile, outputs from `n_first`; kpar
+// writes its partition's partials, wide the fold's 0 + acc (which turns -0 into +0, as S = 1 of §1 does).
+template <int NT, int MTILES, bool GRID_SPLIT>
+__device__ __forceinline__ void mma_store(const float (&acc)[NT][MTILES][4], float* __restrict__ out, int p, int m0,
+                                          int M, int N, int n_first, int tiles, int g, int t) {
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int i = 0; i < MTILES; ++i)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int r = m0 + 16 * i + 8 * h + g;
+                if (j >= tiles || r >= M) continue;
+                const u64 at = (GRID_SPLIT ? ((u64)p * M + r) : (u64)r) * N + n_first + 8 * j + 2 * t;
+                const float* y = acc[j][i] + 2 * h;
+                if (GRID_SPLIT)
+                    *reinterpret_cast<float2*>(out + at) = make_float2(y[0], y[1]);
+                else
+                    *reinterpret_cast<float2*>(out + at) = make_float2(add_rn(0.0f, y[0]), add_rn(0.0f, y[1]));
+            }
+}
+
+template <int NT, int MTILES>
+__device__ __forceinline__ void zero(float (&acc)[NT][MTILES][4]) {
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int i = 0; i < MTILES; ++i)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[j][i][e] = 0.0f;
+}
+
+// Register engine: a warp owns 8*NT consecutive outputs (N % 8 == 0, so a tile is wholly in or out) and M tiles
+// of 16*MTILES rows. Weights of DEPTH groups are loaded before any is used: 32 registers of loads in flight per
+// lane keep HBM busy. No barriers, so a warp past N returns (to the fold of gemv_mma).
 template <int CB, int NT, int MTILES, bool GRID_SPLIT>
-__global__ void gemv_mma(const u32* __restrict__ payload, const u32* __restrict__ high,
-                         const u16* __restrict__ scale, const u16* __restrict__ minv,
-                         const int* __restrict__ qa, const float* __restrict__ da,
-                         const int* __restrict__ sa, int M, int N, int KB, int width,
-                         float* __restrict__ out) {
+__device__ __forceinline__ void mma_registers(GEMV_PARAMS) {
     typedef Traits<CB> T;
-    constexpr int LANE_WORDS = 2 + (CB == Q8_0) + T::ASYM + T::HIGH;
-    constexpr int DEPTH = 32 / (NT * LANE_WORDS) > 1 ? 32 / (NT * LANE_WORDS) : 1;
+    constexpr int G = T::GROUP, H = T::HALVES;
+    constexpr int LANE_WORDS = G + (CB == Q8_0) + (T::SUPER ? 0 : 1 + T::ASYM) + T::HIGH + 2 * (CB == Q6_K);
+    // Super-block fields held per tile (TileSuper): d, dmin, Q5_K's qh words and two columns' sub-block scales.
+    constexpr int SUPER_WORDS = T::SUPER ? 1 + T::ASYM + 2 * (CB == Q5_K) + 2 * T::SUB_WORDS : 0;
+    constexpr int BUDGET = 32 - NT * SUPER_WORDS;  // registers of loads in flight per lane
+    constexpr int DEPTH = BUDGET / (NT * LANE_WORDS) > 1 ? BUDGET / (NT * LANE_WORDS) : 1;
+    const Planes P{payload, high, scale, minv, sub};
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int n_warp = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * 8 * NT;
-    if (n_warp >= N) return;
+    if (n_warp >= N) return;  // to gemv_mma, which may still fold
     const int tiles = min(NT, (N - n_warp) / 8);  // warp-uniform
     const int p = GRID_SPLIT ? blockIdx.y : 0;
     const int b_begin = p * width;
     const int b_end = min(KB, b_begin + width);
+    const int g_begin = b_begin / G, g_end = (b_end + G - 1) / G;
 
     for (int m0 = 0; m0 < M; m0 += 16 * MTILES) {
-        float acc[MTILES][NT][4];
-#pragma unroll
-        for (int i = 0; i < MTILES; ++i)
-#pragma unroll
-            for (int j = 0; j < NT; ++j)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+        float acc[NT][MTILES][4];
+        zero(acc);
+        TileSuper sup[NT];  // loaded before use: the first group of the partition is `fresh`
 
-        for (int b0 = b_begin; b0 < b_end; b0 += DEPTH) {
+        for (int gr0 = g_begin; gr0 < g_end; gr0 += DEPTH) {
             TileWords<CB> tw[DEPTH][NT];
 #pragma unroll
             for (int u = 0; u < DEPTH; ++u)
 #pragma unroll
                 for (int j = 0; j < NT; ++j) {
-                    const u64 col = (u64)(b0 + u) * N + n_warp + 8 * j;  // first output of the tile
                     TileWords<CB>& x = tw[u][j];
-                    x = TileWords<CB>{0u, 0u, 0u, 0u, 0u};
-                    if (b0 + u < b_end && j < tiles) {
-                        const u32* w = payload + (col + g) * T::WORDS;
-                        x.w = __ldg(w + t);
-                        if (CB == Q8_0) x.w_hi = __ldg(w + 4 + t);
-                        if (T::HIGH) x.high = __ldg(high + col + g);
-                        x.scales = __ldg(reinterpret_cast<const u32*>(scale + col + 2 * t));  // N even: aligned
-                        if (T::ASYM) x.mins = __ldg(reinterpret_cast<const u32*>(minv + col + 2 * t));
+                    x = TileWords<CB>{};
+                    if (gr0 + u < g_end && j < tiles) {
+                        const int b0 = (gr0 + u) * G;
+                        const u64 col = (u64)b0 * N + n_warp + 8 * j;  // first output of the tile, first row
+#pragma unroll
+                        for (int i = 0; i < G; ++i) x.w[i] = __ldg(payload + (col + (u64)i * N + g) * T::WORDS + t);
+                        if (CB == Q8_0) x.w_hi = __ldg(payload + (col + g) * T::WORDS + 4 + t);
+                        if (T::HIGH) x.high[0] = __ldg(high + col + g);
+                        if (CB == Q6_K) {  // qh words of elements 4t.. (row t/2 of the quad) and 16+4t.. (row 2+t/2)
+                            x.high[0] = __ldg(high + ((col + (u64)(t >> 1) * N + g) * 2 + (t & 1)));
+                            x.high[1] = __ldg(high + ((col + (u64)(2 + (t >> 1)) * N + g) * 2 + (t & 1)));
+                        }
+                        if (!T::SUPER) {
+                            x.scales = __ldg(reinterpret_cast<const u32*>(scale + col + 2 * t));  // N even: aligned
+                            if (T::ASYM) x.mins = __ldg(reinterpret_cast<const u32*>(minv + col + 2 * t));
+                        }
                     }
                 }
 #pragma unroll
             for (int u = 0; u < DEPTH; ++u) {
-                const int b = b0 + u;
-                if (b >= b_end) break;  // warp-uniform
-                int a[MTILES][4];
-                RowBlock<CB> rows[MTILES][2];  // C rows g and g + 8 of each M tile
+                const int grp = gr0 + u;
+                if (grp >= g_end) break;  // warp-uniform
+                if (T::SUPER && (grp == g_begin || (grp * G) % T::SPAN == 0))
 #pragma unroll
-                for (int i = 0; i < MTILES; ++i)
+                    for (int j = 0; j < NT; ++j)
+                        if (j < tiles) sup[j] = load_tile_super<CB>(P, grp * G, (u64)n_warp + 8 * j, g, t, N);
 #pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        const int r = m0 + 16 * i + 8 * h + g;
-                        a[i][h] = a[i][2 + h] = 0;
-                        rows[i][h] = RowBlock<CB>::of(0.0f, 0);
-                        if (r < M) {
-                            const u64 ab = (u64)b * M + r;
-                            a[i][h] = __ldg(qa + ab * 8 + t);
-                            a[i][2 + h] = __ldg(qa + ab * 8 + 4 + t);
-                            rows[i][h] = RowBlock<CB>::of(__ldg(da + ab), __ldg(sa + ab));
-                        }
-                    }
+                for (int ub = 0; ub < G; ++ub) {
+                    const int b = grp * G + ub;
+                    if (G > 1 && (b < b_begin || b >= b_end)) continue;  // warp-uniform: the group's edge
+                    int a[MTILES][4];
+                    RowBlock<CB> rows[MTILES][2];  // C rows g and g + 8 of each M tile
 #pragma unroll
-                for (int j = 0; j < NT; ++j) {
-                    if (j >= tiles) break;  // warp-uniform
-                    const TileWords<CB>& x = tw[u][j];
-                    int lo, hi;
-                    decode_word<CB>(x.w, x.w_hi, x.high, t, lo, hi);
-                    const float d_w[2] = {half_bits_to_float(x.scales & 0xFFFFu), half_bits_to_float(x.scales >> 16)};
-                    const float m_w[2] = {half_bits_to_float(x.mins & 0xFFFFu), half_bits_to_float(x.mins >> 16)};
-#pragma unroll
-                    for (int i = 0; i < MTILES; ++i) {
-                        if (m0 + 16 * i >= M) break;  // warp-uniform
-                        int c[4];
-                        mma_s8(a[i], lo, hi, c);
+                    for (int i = 0; i < MTILES; ++i)
 #pragma unroll
                         for (int h = 0; h < 2; ++h) {
-                            if (h == 1 && m0 + 16 * i + 8 >= M) break;  // warp-uniform: no rows g+8
-#pragma unroll
-                            for (int e = 0; e < 2; ++e) {
-                                float& y = acc[i][j][2 * h + e];
-                                y = add_rn(y, rows[i][h].term(c[2 * h + e], d_w[e], m_w[e]));
+                            const int r = m0 + 16 * i + 8 * h + g;
+                            a[i][h] = a[i][2 + h] = 0;
+                            rows[i][h] = RowBlock<CB>::of(0.0f, 0);
+                            if (r < M) {
+                                const u64 ab = (u64)b * M + r;
+                                a[i][h] = __ldg(qa + ab * 8 + t);
+                                a[i][2 + h] = __ldg(qa + ab * 8 + 4 + t);
+                                rows[i][h] = RowBlock<CB>::of(__ldg(da + ab), __ldg(sa + ab));
                             }
                         }
+#pragma unroll
+                    for (int j = 0; j < NT; ++j) {
+                        if (j >= tiles) break;  // warp-uniform
+                        const TileWords<CB>& x = tw[u][j];
+                        int lo, hi;
+                        float d_w[2][H], m_w[2] = {0.0f, 0.0f};
+                        if constexpr (G == 1) {
+                            decode_word<CB>(x.w[0], x.w_hi, x.high[0], t, lo, hi);
+                        } else if constexpr (CB == Q6_K) {
+                            const int r = 2 * (ub & 1);
+                            decode_paired<CB>(x.w[r], x.w[r + 1], q6k_high(x.high[0], ub), q6k_high(x.high[1], ub),
+                                              ub, lo, hi);
+                        } else {
+                            const u32 h0 = CB == Q5_K ? q5k_high(sup[j].qh[0], b & 7) : 0u;
+                            const u32 h1 = CB == Q5_K ? q5k_high(sup[j].qh[1], b & 7) : 0u;
+                            decode_paired<CB>(x.w[0], x.w[1], h0, h1, ub, lo, hi);
+                        }
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) {
+                            if (T::SUPER) {
+                                derive<CB>(half_bits_to_float((u16)(sup[j].d >> (16 * e))),
+                                           half_bits_to_float((u16)(sup[j].dmin >> (16 * e))), sup[j].sub[e], b & 7,
+                                           d_w[e], m_w[e]);
+                            } else {
+                                d_w[e][0] = half_bits_to_float((u16)(x.scales >> (16 * e)));
+                                m_w[e] = half_bits_to_float((u16)(x.mins >> (16 * e)));
+                            }
+                        }
+                        mma_tile<CB, MTILES>(a, rows, lo, hi, d_w, m_w, m0, M, acc[j]);
                     }
                 }
             }
         }
-
-#pragma unroll
-        for (int i = 0; i < MTILES; ++i)
-#pragma unroll
-            for (int j = 0; j < NT; ++j)
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const int r = m0 + 16 * i + 8 * h + g;
-                    if (j >= tiles || r >= M) continue;
-                    const u64 at = (GRID_SPLIT ? ((u64)p * M + r) : (u64)r) * N + n_warp + 8 * j + 2 * t;
-                    const float* y = acc[i][j] + 2 * h;
-                    if (GRID_SPLIT)
-                        *reinterpret_cast<float2*>(out + at) = make_float2(y[0], y[1]);
-                    else
-                        *reinterpret_cast<float2*>(out + at) = make_float2(add_rn(0.0f, y[0]), add_rn(0.0f, y[1]));
-                }
+        mma_store<NT, MTILES, GRID_SPLIT>(acc, GRID_SPLIT ? ws + ticket_words(N) : out, p, m0, M, N, n_warp, tiles, g, t);
     }
 }
 
-// kpar's second launch: y = ((0 + acc_0) + acc_1) + ... over the workspace [S][count].
-extern "C" __global__ void fold_partials(const float* __restrict__ ws, int S, int count, float* __restrict__ y) {
-    const int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= count) return;
-    float acc = 0.0f;
-    for (int p = 0; p < S; ++p) acc = add_rn(acc, ws[(u64)p * count + i]);
-    y[i] = acc;
+// Ring engine (bench/NOTES.md, version 9): every operand streamed into shared memory by cp.async through a 3-deep
+// ring of K chunks, so bytes stay in flight while the warps compute, at no register cost. A CTA is 4 warps, 8*NT
+// outputs each; a chunk holds KC blocks of the CTA's payload, scales (mins, high bits) and the M tile's
+// activation rows, padded to 48 bytes so the fragment loads are conflict-free. Rows past M and outputs past N
+// are zero-filled by the copy itself (src-size 0). One barrier per chunk; every loop has a compile-time trip
+// count. Legacy formats with 16-byte payloads only (Traits::RING).
+#ifndef GEMV_HOSTSIM
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(gmem), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem, bool valid) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(s), "l"(gmem), "r"(valid ? 4 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
+#else  // the host's copies complete at once
+inline void cp_async16(void* smem, const void* gmem, bool valid) { valid ? (void)std::memcpy(smem, gmem, 16) : (void)std::memset(smem, 0, 16); }
+inline void cp_async4(void* smem, const void* gmem, bool valid) { valid ? (void)std::memcpy(smem, gmem, 4) : (void)std::memset(smem, 0, 4); }
+inline void cp_async_commit() {}
+template <int N>
+inline void cp_async_wait() {}
+#endif
+
+constexpr int RING_THREADS = 128;  // the registry's mma candidates' CTA
+constexpr int RING_STAGES = 3;
+constexpr int ROW_WORDS = 12;  // a 32-byte row + 16 bytes of padding: rows g = 0..7 land on distinct banks
+constexpr int RING_SHARED = 48 * 1024;  // static shared memory per CTA
+
+// One chunk's layout in shared memory, in 32-bit words (every part a multiple of 4 words: 16-byte aligned).
+template <int CB, int NT, int MTILES, int KC_>
+struct Chunk {
+    typedef Traits<CB> T;
+    static constexpr int KC = KC_, OUT = RING_THREADS / 32 * 8 * NT, ROWS = 16 * MTILES;
+    static constexpr int PAY = KC * OUT * T::WORDS;
+    static constexpr int SCALE = KC * OUT / 2, MIN = T::ASYM ? SCALE : 0, HIGH = T::HIGH ? KC * OUT : 0;
+    static constexpr int Q = KC * ROWS * ROW_WORDS, D = KC * ROWS, S = KC * ROWS;
+    static constexpr int pay = 0, scale = pay + PAY, min = scale + SCALE, high = min + MIN, q = high + HIGH;
+    static constexpr int d = q + Q, s = d + D, words = s + S;
+};
+
+// Blocks per chunk: 8, else 4, else 2, whichever ring fits the static shared-memory limit.
+template <int CB, int NT, int MTILES>
+struct RingShape {
+    static constexpr int KC = RING_STAGES * Chunk<CB, NT, MTILES, 8>::words * 4 <= RING_SHARED ? 8
+                            : RING_STAGES * Chunk<CB, NT, MTILES, 4>::words * 4 <= RING_SHARED ? 4 : 2;
+    typedef Chunk<CB, NT, MTILES, KC> C;
+};
+
+template <int CB, int NT, int MTILES, bool GRID_SPLIT>
+__device__ __forceinline__ void mma_ring(GEMV_PARAMS) {
+    typedef Traits<CB> T;
+    typedef typename RingShape<CB, NT, MTILES>::C C;
+    constexpr int KC = C::KC, OUT = C::OUT, ROWS = C::ROWS, ST = RING_STAGES, PIECES = T::WORDS / 4;
+    __shared__ __align__(16) u32 ring[ST][C::words];
+
+    const int tid = threadIdx.x, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const int n_cta = blockIdx.x * OUT;
+    const int o_warp = (tid >> 5) * 8 * NT;
+    const int tiles = n_cta + o_warp < N ? min(NT, (N - n_cta - o_warp) / 8) : 0;  // warp-uniform
+    const int p = GRID_SPLIT ? blockIdx.y : 0;
+    const int b_begin = p * width;
+    const int b_end = min(KB, b_begin + width);
+    const int chunks = (b_end - b_begin + KC - 1) / KC;
+
+    for (int m0 = 0; m0 < M; m0 += ROWS) {
+        // Chunk c into ring slot c % ST: 16-byte pieces, consecutive threads on consecutive pieces.
+        auto issue = [&](int c) {
+            u32* slot = ring[c % ST];
+            const int b0 = b_begin + c * KC, cn = min(KC, b_end - b0);
+            constexpr int PAY_PIECES = KC * OUT * PIECES;
+#pragma unroll
+            for (int i = 0; i < (PAY_PIECES + RING_THREADS - 1) / RING_THREADS; ++i) {
+                const int e = tid + i * RING_THREADS;
+                const int u = e / (OUT * PIECES), o = e / PIECES % OUT, piece = e % PIECES;
+                const bool ok = e < PAY_PIECES && u < cn && n_cta + o < N;
+                const u32* src = payload + ((u64)(b0 + u) * N + n_cta + o) * T::WORDS + 4 * piece;
+                if (e < PAY_PIECES) cp_async16(slot + C::pay + (u * OUT + o) * T::WORDS + 4 * piece, ok ? src : payload, ok);
+            }
+            constexpr int SCALE_PIECES = KC * OUT / 8;
+#pragma unroll
+            for (int i = 0; i < (SCALE_PIECES + RING_THREADS - 1) / RING_THREADS; ++i) {
+                const int e = tid + i * RING_THREADS;
+                const int u = e / (OUT / 8), o = e % (OUT / 8) * 8;
+                const bool ok = e < SCALE_PIECES && u < cn && n_cta + o < N;
+                const u64 at = (u64)(b0 + u) * N + n_cta + o;
+                if (e < SCALE_PIECES) {
+                    cp_async16(slot + C::scale + (u * OUT + o) / 2, ok ? scale + at : scale, ok);
+                    if (T::ASYM) cp_async16(slot + C::min + (u * OUT + o) / 2, ok ? minv + at : minv, ok);
+                }
+            }
+            if (T::HIGH) {
+                constexpr int HIGH_PIECES = KC * OUT / 4;
+#pragma unroll
+                for (int i = 0; i < (HIGH_PIECES + RING_THREADS - 1) / RING_THREADS; ++i) {
+                    const int e = tid + i * RING_THREADS;
+                    const int u = e / (OUT / 4), o = e % (OUT / 4) * 4;
+                    const bool ok = e < HIGH_PIECES && u < cn && n_cta + o < N;
+                    const u64 at = (u64)(b0 + u) * N + n_cta + o;
+                    if (e < HIGH_PIECES) cp_async16(slot + C::high + u * OUT + o, ok ? high + at : high, ok);
+                }
+            }
+            constexpr int Q_PIECES = KC * ROWS * 2;
+#pragma unroll
+            for (int i = 0; i < (Q_PIECES + RING_THREADS - 1) / RING_THREADS; ++i) {
+                const int e = tid + i * RING_THREADS;
+                const int u = e / (ROWS * 2), r = e / 2 % ROWS, half = e & 1;
+                const bool ok = e < Q_PIECES && u < cn && m0 + r < M;
+                const int* src = qa + ((u64)(b0 + u) * M + m0 + r) * 8 + 4 * half;
+                if (e < Q_PIECES) cp_async16(slot + C::q + (u * ROWS + r) * ROW_WORDS + 4 * half, ok ? src : qa, ok);
+            }
+            constexpr int D_COPIES = KC * ROWS;
+#pragma unroll
+            for (int i = 0; i < (D_COPIES + RING_THREADS - 1) / RING_THREADS; ++i) {
+                const int e = tid + i * RING_THREADS;
+                const int u = e / ROWS, r = e % ROWS;
+                const bool ok = e < D_COPIES && u < cn && m0 + r < M;
+                const u64 ab = (u64)(b0 + u) * M + m0 + r;
+                if (e < D_COPIES) {
+                    cp_async4(slot + C::d + e, ok ? da + ab : da, ok);
+                    cp_async4(slot + C::s + e, ok ? sa + ab : sa, ok);
+                }
+            }
+        };
+
+        float acc[NT][MTILES][4];
+        zero(acc);
+#pragma unroll
+        for (int c = 0; c < ST - 1; ++c) {
+            if (c < chunks) issue(c);
+            cp_async_commit();  // empty groups keep the count of pending groups uniform
+        }
+        for (int c = 0; c < chunks; ++c) {
+            cp_async_wait<ST - 2>();
+            __syncthreads();  // chunk c has landed for every thread; slot (c - 1) % ST is free
+            if (c + ST - 1 < chunks) issue(c + ST - 1);
+            cp_async_commit();
+            if (tiles == 0) continue;
+            const u32* slot = ring[c % ST];
+            const int cn = min(KC, b_end - b_begin - c * KC);
+#pragma unroll
+            for (int u = 0; u < KC; ++u) {
+                if (u >= cn) break;  // block-uniform
+                int a[MTILES][4];
+                RowBlock<CB> rows[MTILES][2];
+#pragma unroll
+                for (int i = 0; i < MTILES; ++i)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const int r = 16 * i + 8 * h + g;  // zero-filled past M
+                        const u32* q = slot + C::q + (u * ROWS + r) * ROW_WORDS;
+                        a[i][h] = (int)q[t];
+                        a[i][2 + h] = (int)q[4 + t];
+                        rows[i][h] = RowBlock<CB>::of(__uint_as_float(slot[C::d + u * ROWS + r]),
+                                                      (int)slot[C::s + u * ROWS + r]);
+                    }
+#pragma unroll
+                for (int j = 0; j < NT; ++j) {
+                    if (j >= tiles) break;  // warp-uniform
+                    const int o = o_warp + 8 * j + g;
+                    const u32* w = slot + C::pay + (u * OUT + o) * T::WORDS;
+                    const u32 hb = T::HIGH ? slot[C::high + u * OUT + o] : 0u;
+                    const int pair = (u * OUT + o_warp + 8 * j) / 2 + t;  // scales of outputs 2t, 2t+1 of the tile
+                    const u32 scales = slot[C::scale + pair];
+                    const u32 mins = T::ASYM ? slot[C::min + pair] : 0u;
+                    int lo, hi;
+                    decode_word<CB>(w[t], 0u, hb, t, lo, hi);
+                    const float d_w[2][1] = {{half_bits_to_float(scales & 0xFFFFu)}, {half_bits_to_float(scales >> 16)}};
+                    const float m_w[2] = {half_bits_to_float(mins & 0xFFFFu), half_bits_to_float(mins >> 16)};
+                    mma_tile<CB, MTILES>(a, rows, lo, hi, d_w, m_w, m0, M, acc[j]);
+                }
+            }
+        }
+        cp_async_wait<0>();
+        __syncthreads();  // the next M pass refills the ring
+        mma_store<NT, MTILES, GRID_SPLIT>(acc, GRID_SPLIT ? ws + ticket_words(N) : out, p, m0, M, N, n_cta + o_warp, tiles,
+                                          g, t);
+    }
+}
+
+// The tensor-core candidates (wide S = 1, kpar GRID_SPLIT): the ring engine for the legacy 16-byte-payload
+// formats, registers for Q8_0 (a ring chunk holds too few of its 32-byte blocks: bench/NOTES.md version 9) and
+// the super-block formats. Both engines give the contract's bytes; the candidates' geometry is the same.
+template <int CB, int NT, int MTILES, bool GRID_SPLIT>
+__global__ void __launch_bounds__(RING_THREADS) gemv_mma(GEMV_PARAMS) {
+    if constexpr (Traits<CB>::RING)
+        mma_ring<CB, NT, MTILES, GRID_SPLIT>(payload, high, scale, minv, sub, qa, da, sa, M, N, KB, width, out, ws);
+    else
+        mma_registers<CB, NT, MTILES, GRID_SPLIT>(payload, high, scale, minv, sub, qa, da, sa, M, N, KB, width, out,
+                                                  ws);
+    if constexpr (GRID_SPLIT) {
+        const int cols = blockDim.x / 32 * 8 * NT;
+        fold_last(ws, out, gridDim.y, M, N, blockIdx.x * cols, cols);
+    }
 }
 
 // One warp per (row, block): lane j owns element j. Reads x row-major, writes block-major ([KB][M]).

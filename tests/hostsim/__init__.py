@@ -19,22 +19,15 @@ from functools import cache
 from pathlib import Path
 
 import numpy as np
-from gemv_dispatch.kernels import program
-from gemv_dispatch.kernels.codebooks import FORMATS
+from gemv_dispatch.kernels import launch, program
 from gemv_dispatch.kernels.emulate import QuantizedActivations
 from gemv_dispatch.kernels.errors import BLOCK
 from gemv_dispatch.kernels.layout import PackedWeights
-from gemv_dispatch.kernels.registry import Candidate
+from gemv_dispatch.kernels.registry import Candidate, ticket_words
 
 HERE = Path(__file__).parent
 REPO = HERE.parent.parent
-STAGED_SOURCE = REPO / "bench" / "next" / "gemv.cu"
 FLAGS = ("-std=c++20", "-O1", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared", "-w")
-
-
-def codebook_index(codebook: str) -> int:
-    """The kernel source's `Codebook` enum value: the format's place in kernels.codebooks.FORMATS."""
-    return FORMATS.index(codebook)
 
 
 def entry(signature: str) -> str:
@@ -114,9 +107,8 @@ class Simulator:
         out = np.full((m, n), poison, dtype=np.uint32).view(np.float32)
         grid, block = candidate.launch_geometry(m, n, k)
         if candidate.grid_split and ws is None:  # zero tickets, NaN partials
-            ws = np.full(ticket_words(n) + candidate.workspace_bytes(m, n, k) // 4, np.nan, dtype=np.float32)
-            ws[: ticket_words(n)] = 0.0
-        name = candidate.template_name(codebook_index(packed.codebook), m)
+            ws = launch.new_workspace(candidate.workspace_bytes(m, n, k), n, np)
+        name = candidate.kernel_name(packed.codebook, m)
         self.launch(name, grid, block, candidate.shared_bytes(m),
                     [*map(pointer, planes), pointer(q), pointer(d), pointer(s), *map(pointer, ints), pointer(out),
                      pointer(ws if candidate.grid_split else None)])
@@ -125,6 +117,3 @@ class Simulator:
         return out
 
 
-def ticket_words(n: int) -> int:
-    """The staged kpar workspace's ticket counters ahead of its partials (gemv.cu's ticket_words)."""
-    return ((n + 7) // 8 + 3) // 4 * 4
