@@ -103,7 +103,8 @@ def table(request, monkeypatch):
 
 @pytest.mark.filterwarnings("ignore:gemv-dispatch")
 @pytest.mark.parametrize("codebook,n,k", [("Q4_0", 1001, 4096), ("Q8_0", 1024, 2080), ("IQ4_NL", 4096, 512),
-                                           ("Q4_1", 520, 1024), ("Q5_1", 96, 8192)])
+                                           ("Q4_1", 520, 1024), ("Q5_1", 96, 8192), ("Q5_K", 1000, 4096),
+                                           ("Q6_K", 264, 2304)])
 def test_gemv_equals_emulator_and_serial_m1(cp, rng, table, codebook, n, k):
     packed = make_packed(codebook, n, k, rng)
     w = runtime.prepare(packed)
