@@ -16,7 +16,9 @@ step 170 gemv-dispatch certify "$policy" -o "$OUT/cert.json" --corpus corpus/nvi
 step 30 gemv-dispatch generate "$policy" --cert "$OUT/cert.json" -o "$out_dir" && tar czf "$OUT/generated.tgz" "$out_dir"
 export GEMV_DISPATCH_TABLES=/tmp/tables
 step 15 gemv-dispatch install "$out_dir"
-step 170 python3 -m pytest -m gpu -q -p no:cacheprovider --tb=short -W ignore tests > "$OUT/gpu-tests.log" 2>&1
+# The GPU tests that read the installed table (GGUF end to end) or the runtime, or GPU_TESTS (default: those).
+step 170 python3 -m pytest -m gpu -n 6 -q -p no:cacheprovider --tb=short -W ignore \
+    ${GPU_TESTS:-tests/test_end_to_end.py tests/test_runtime_gpu.py} > "$OUT/gpu-tests.log" 2>&1
 grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu-tests.log" | cut -c1-300 | tail -25
 step 45 python3 bench/runtime_overhead.py --quick --out "$OUT/runtime.json" > "$OUT/runtime.log" 2>&1; tail -25 "$OUT/runtime.log"
 step 170 gemv-dispatch check --installed > "$OUT/check.log" 2>&1; tail -12 "$OUT/check.log"  # last: as long as time is left
