@@ -41,7 +41,7 @@ from gemv_dispatch.dispatch.timing import (
 )
 from gemv_dispatch.kernels import program
 from gemv_dispatch.kernels.codebooks import CODEBOOKS, get
-from gemv_dispatch.kernels.errors import InputError
+from gemv_dispatch.kernels.errors import EnvironmentProblem, InputError
 from gemv_dispatch.kernels.registry import Candidate, candidates_for
 
 DEFAULT_CODEBOOKS = "all"
@@ -227,16 +227,24 @@ class ReplayTimer:
         return CellTiming({r.candidate: r.stats for r in found}, found[0].copies)
 
 
-def _uuid(raw: bytes) -> str:
-    """CUDA's 16 UUID bytes in nvidia-smi's spelling, GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx."""
-    h = raw.hex()
-    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
+def gpu_uuid(raw: bytes, pci_bus_id: str) -> str:
+    """The GPU's UUID in nvidia-smi's spelling, GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx, from CUDA's 16 UUID
+    bytes. CuPy hands them over as a C string, cut at the first zero byte: then nvidia-smi says, asked by PCI
+    bus id. EnvironmentProblem when neither can (the UUID keys the corpus provenance and the GPU lock)."""
+    if len(raw) == 16:
+        h = raw.hex()
+        return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
+    smi = _nvidia_smi(pci_bus_id, "uuid")
+    if smi is None or not smi[0].startswith("GPU-"):
+        raise EnvironmentProblem(f"cannot read the UUID of GPU {pci_bus_id}: CUDA gave {len(raw)} of its 16 bytes "
+                                 "and nvidia-smi did not answer")
+    return smi[0]
 
 
-def _nvidia_smi(gpu_uuid: str, query: str) -> list[str] | None:
-    """nvidia-smi's values for one GPU (by UUID: CUDA_VISIBLE_DEVICES renumbers devices), or None."""
+def _nvidia_smi(gpu_id: str, query: str) -> list[str] | None:
+    """nvidia-smi's values for one GPU (by UUID or PCI bus id: CUDA_VISIBLE_DEVICES renumbers devices), or None."""
     try:
-        out = subprocess.run(["nvidia-smi", f"--id={gpu_uuid}", f"--query-gpu={query}",
+        out = subprocess.run(["nvidia-smi", f"--id={gpu_id}", f"--query-gpu={query}",
                               "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=60,
                              check=True).stdout
     except (OSError, subprocess.SubprocessError):
@@ -280,12 +288,12 @@ class GpuTimer:
         self._backend = CupyBackend(self.stream)
         self._geometry: tuple[str, int, int] | None = None
         self._copies: list[Any] = []
-        gpu_uuid = _uuid(bytes(props["uuid"]))
+        uuid = gpu_uuid(bytes(props["uuid"]), cp.cuda.Device(0).pci_bus_id)
         # Application clocks: what the GPU runs at under load (current clocks read idle values here).
-        smi = _nvidia_smi(gpu_uuid, "driver_version,clocks.applications.graphics,clocks.applications.memory")
+        smi = _nvidia_smi(uuid, "driver_version,clocks.applications.graphics,clocks.applications.memory")
         self._provenance = Provenance(
             gpu_name=props["name"].decode(),
-            gpu_uuid=gpu_uuid,
+            gpu_uuid=uuid,
             sm_count=int(props["multiProcessorCount"]),
             l2_bytes=self._l2,
             sm_clock_mhz=int(smi[1]) if smi and smi[1].isdigit() else None,
@@ -299,7 +307,7 @@ class GpuTimer:
         )
 
         self.gpu_name, self.kernel_digest = self._provenance.gpu_name, self._provenance.kernel_digest
-        self.lock_key: str | None = gpu_uuid
+        self.lock_key: str | None = uuid
 
     def provenance(self) -> Provenance:
         return self._provenance

@@ -27,7 +27,7 @@ from corpus_fixture import (
     tree,
     write_shapes,
 )
-from gemv_dispatch.dispatch import corpus, gpulock
+from gemv_dispatch.dispatch import corpus, gpulock, sweep
 from gemv_dispatch.dispatch.cli import main
 from gemv_dispatch.dispatch.corpus import MANIFEST, SHARDS, Cell, compact, load, write_shard
 from gemv_dispatch.dispatch.shapes import Inventory, Shape, load_inventory, write_inventory
@@ -454,3 +454,16 @@ def test_an_inventory_into_a_read_only_folder_names_the_path(tmp_path, monkeypat
     with pytest.raises(OSError, match="Read-only file system") as caught:
         write_shapes(tmp_path / "shapes.json")
     assert caught.value.filename == str(tmp_path / "shapes.json") and list(tmp_path.iterdir()) == []
+
+
+def test_the_gpu_uuid_survives_a_zero_byte(monkeypatch):
+    """CUDA's 16 UUID bytes spell nvidia-smi's UUID; bytes cut at a zero byte (CuPy reads a C string) are
+    asked of nvidia-smi by PCI bus id, and an answer from neither is an environment problem."""
+    assert sweep.gpu_uuid(bytes(range(16)), "x") == "GPU-00010203-0405-0607-0809-0a0b0c0d0e0f"
+    asked = []
+    monkeypatch.setattr(sweep, "_nvidia_smi", lambda gpu, query: asked.append((gpu, query)) or ["GPU-00ab-cd"])
+    assert sweep.gpu_uuid(b"", "00000000:19:00.0") == "GPU-00ab-cd"
+    assert asked == [("00000000:19:00.0", "uuid")]
+    monkeypatch.setattr(sweep, "_nvidia_smi", lambda gpu, query: None)
+    with pytest.raises(EnvironmentProblem, match=r"cannot read the UUID of GPU 00000000:19:00\.0"):
+        sweep.gpu_uuid(b"\x12\x34", "00000000:19:00.0")
