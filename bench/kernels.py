@@ -220,7 +220,7 @@ def main() -> None:
     backend = TorchBackend()
     anchors = ANCHORS[:3] if args.quick else ANCHORS
     cells = [(cb, m, n, k) for cb in M_CODEBOOKS for n, k in anchors for m in MS]
-    cells += [(cb, m, n, k) for cb in SUPERBLOCK for n, k in anchors if k % 256 == 0 for m in SUPERBLOCK_MS]
+    cells += [(cb, m, n, k) for cb in SUPERBLOCK for n, k in anchors if k % get(cb).weights == 0 for m in SUPERBLOCK_MS]
     cells += [(cb, 1, n, k) for n, k in anchors for cb in CODEBOOKS if cb not in M_CODEBOOKS + SUPERBLOCK]
     rows = []
 

@@ -11,9 +11,10 @@ import math
 import sys
 from pathlib import Path
 
+from gemv_dispatch.kernels.codebooks import SUPERBLOCK
+
 LARGE_BYTES = 64e6  # "shapes >= 64 MB" of the M = 1 target
 BIG_Q4_0_BYTES = 30e6  # the M = 16 target's "anchors with >= 30 MB of Q4_0 weights"
-SUPERBLOCK = ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS")
 
 
 def table(rows: list[dict]) -> list[str]:

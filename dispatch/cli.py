@@ -36,18 +36,6 @@ def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-def echo_warnings(fn: Callable[..., Any], *args: Any) -> Any:
-    """fn(*args), its warnings (skipped tensors or shapes) as `warning: ...` lines on stderr."""
-    import warnings
-
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        result = fn(*args)
-    for warning in caught:
-        click.echo(f"warning: {warning.message}", err=True)
-    return result
-
-
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="gemv-dispatch")
 def main() -> None:
@@ -103,9 +91,15 @@ def shapes_from_gguf(model: Path, output: Path | None, as_json: bool) -> None:
     Projections (attn_q/k/v/output, attn_qkv, ffn_gate/up/down, output) become roles, deduplicated
     across layers, each with the GGUF types it is stored in; the name comes from general.name, the family
     from general.architecture. Tensors of a type the tool does not run are skipped with a warning."""
+    import warnings
+
     from gemv_dispatch.dispatch.shapes import from_gguf, write_inventory
 
-    inv = echo_warnings(from_gguf, model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        inv = from_gguf(model)
+    for warning in caught:
+        click.echo(f"warning: {warning.message}", err=True)
     if output is not None:
         write_inventory(inv, output)
         # with --json, stdout carries only the JSON
@@ -165,7 +159,7 @@ def sweep_command(corpus_root: Path | None, replay: Path | None, devices: str | 
         raise InputError(f"{', '.join(moot)} cannot apply {'under' if replay else 'without'} --replay")
     if ray_address is not None and devices is not None:
         raise InputError("--ray and --devices exclude each other: a Ray cluster deals out its own GPUs")
-    plan = echo_warnings(sweep.parse_plan, codebooks, ms, modes, shape_paths, limit, hot)
+    plan = sweep.parse_plan(codebooks, ms, modes, shape_paths, limit, hot)
     root = corpus_root if corpus_root is not None else home_dir() / "corpus"
     if ray_address is not None:
         from gemv_dispatch.dispatch import fleet

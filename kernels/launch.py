@@ -81,7 +81,8 @@ class DeviceWeights:
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in (self.payload, self.scale, self.min, self.high, self.sub) if a is not None)
+        planes = (getattr(self, field) for field in PLANE_FIELDS.values())
+        return sum(a.nbytes for a in planes if a is not None)
 
     def plane_args(self) -> tuple[Any, ...]:
         """The planes in the order the kernels declare them (program.planes()), null pointers for absent ones."""

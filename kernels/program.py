@@ -66,8 +66,7 @@ def planes() -> tuple[str, ...]:
     return declared_planes(source())
 
 
-def explicit_instantiations(kernel_names: list[str], text: str | None = None) -> str:
-    """A translation unit that instantiates each template kernel of `text` (default: the source), for nvcc."""
-    body = source() if text is None else text
-    params = declared_signature(body)
-    return "\n".join([body, *(f"template __global__ void {name}{params};" for name in kernel_names)]) + "\n"
+def explicit_instantiations(kernel_names: list[str]) -> str:
+    """A translation unit that instantiates each template kernel of the source, for nvcc."""
+    params = declared_signature(source())
+    return "\n".join([source(), *(f"template __global__ void {name}{params};" for name in kernel_names)]) + "\n"

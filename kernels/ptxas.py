@@ -61,17 +61,12 @@ class Build:
 
 def compile_report(kernel_names: list[str], arch: str = "sm_90") -> Build:
     """Compile the instantiations with nvcc -Xptxas -v, with the options CuPy's NVRTC build ends up with."""
-    return compile_unit(program.explicit_instantiations(kernel_names), arch)
-
-
-def compile_unit(text: str, arch: str = "sm_90") -> Build:
-    """Compile a translation unit of kernels (e.g. program.explicit_instantiations) as compile_report does."""
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         raise FileNotFoundError("nvcc is not on PATH")
     with tempfile.TemporaryDirectory() as tmp:
         unit = Path(tmp) / "instantiations.cu"
-        unit.write_text(text)
+        unit.write_text(program.explicit_instantiations(kernel_names))
         cmd = [nvcc, f"-arch={arch}", "-cubin", "-Xptxas", "-v", *program.CONTRACT_OPTIONS, *program.FORCED_BY_CUPY,
                "--keep", "--keep-dir", tmp, "-o", str(Path(tmp) / "out.cubin"), str(unit)]
         done = subprocess.run(cmd, capture_output=True, text=True, check=False)

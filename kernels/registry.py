@@ -127,10 +127,7 @@ class Candidate:
 
     def kernel_name(self, codebook: str, m: int) -> str:
         """The template instantiation (NVRTC name expression) this candidate launches for M rows."""
-        return self.template_name(CODEBOOK_IDS[get(codebook).name], m)
-
-    def template_name(self, cb: int, m: int) -> str:
-        """The instantiation for value `cb` of the kernel source's `Codebook` enum and M rows."""
+        cb = CODEBOOK_IDS[get(codebook).name]
         split = "true" if self.grid_split else "false"
         if self.mma_tiles:
             return f"gemv_mma<{cb}, {self.mma_tiles}, {mma_row_tiles(m)}, {split}>"
@@ -152,7 +149,7 @@ def _build() -> tuple[Candidate, ...]:
     wide = [Candidate("wide", 1, t, c) for t, c in ((128, 1), (256, 1), (128, 2), (64, 4))]
     # direct: S partitions inside the CTA; made for mid-size N, one launch.
     direct = [
-        Candidate("direct", s, t, 1) for t in (32, 64) for s in (2, 4, 8, 16) if t * s <= 512
+        Candidate("direct", s, t, 1) for t in (32, 64) for s in (2, 4, 8, 16) if t * s <= MAX_CTA_THREADS
     ]
     # kpar: S partitions across CTAs, folded by the last CTA of each column range; made for small N with long K.
     kpar = [Candidate("kpar", s, t, c) for s in (2, 4, 8, 16, 32, 64) for t, c in ((128, 1), (64, 2))]

@@ -13,6 +13,7 @@ from gemv_dispatch.kernels.errors import InputError
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
+from seeds import fresh_seed
 
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as GGMLType  # noqa: E402
@@ -719,9 +720,7 @@ def test_superblock_quantize_any_float32(name, data, shape):
 
 @pytest.mark.parametrize("name", SUPER)
 def test_superblock_quantize_objective_figures(name):
-    seed = int(np.random.SeedSequence().entropy % 2**32)
-    print(f"seed {seed}")
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(fresh_seed())
     figures = {}
     for data, w in (("gaussian", rng.standard_normal((32, 4096))), ("student-t3", rng.standard_t(3, (32, 4096)))):
         ours, plain = check_superblock_quantizer(name, w.astype(np.float32))

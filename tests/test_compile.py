@@ -15,8 +15,11 @@ needs_nvcc = pytest.mark.skipif(
 )
 
 
-def assert_clean_build(build, names: list[str]) -> None:
+@needs_nvcc
+def test_every_instantiation_compiles_spill_free_for_sm90():
     """Every kernel built, none with a stack frame or spills, within the register cap, no flushing float op."""
+    names = sorted({name for _, name in instantiations()})
+    build = compile_report(names, "sm_90")
     report = build.resources
     by_name = {r.name: r for r in report}
     assert set(names) | set(program.HELPER_KERNELS) == set(by_name), "ptxas reported other kernels than built"
@@ -31,12 +34,6 @@ def assert_clean_build(build, names: list[str]) -> None:
     assert build.ptx.count(".entry") == len(report)
     flushing = sorted({line.split()[0] for line in build.ptx.splitlines() if ".ftz" in line})
     assert not flushing, f"flush-to-zero instructions in the PTX: {flushing}"
-
-
-@needs_nvcc
-def test_every_instantiation_compiles_spill_free_for_sm90():
-    names = sorted({name for _, name in instantiations()})
-    assert_clean_build(compile_report(names, "sm_90"), names)
 
 
 def test_both_engines_declare_the_parameters_the_launchers_pass():

@@ -29,6 +29,7 @@ from gemv_dispatch.kernels.layout import pack
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
+from seeds import fresh_seed
 
 F = np.float32
 ALL = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL")
@@ -840,8 +841,7 @@ def test_superblock_special_and_corrupted_scales_follow_the_contract(codebook, k
     """Zero, subnormal, ±0 and maximal fp16 d and dmin, sub-blocks of scale 0, Q6_K halves of opposite signs;
     `corrupt` adds inf and NaN: those are not refused, they propagate through the IEEE operations of §1-2,
     and every NaN result is the canonical 0x7FFFFFFF, as on the GPU."""
-    seed = int(np.random.SeedSequence().entropy % 2**32)
-    print(f"seed {seed}")
+    seed = fresh_seed()
     blocks, packed = packed_super(codebook, 6, 2, seed, kind)
     x = gaussian_x(3, 16, seed=seed + 1)
     x[1] *= F(1e-38)  # subnormal activations meet subnormal scales

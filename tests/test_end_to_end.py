@@ -17,6 +17,7 @@ from gemv_dispatch.kernels import emulate, layout
 from gemv_dispatch.kernels.codebooks import quantize
 from gemv_dispatch.kernels.errors import InputError
 from gemv_dispatch.kernels.registry import by_id
+from seeds import fresh_seed
 
 HIDDEN = 256
 # name -> (codebook, N, K): odd and even N, each codebook of the issue
@@ -40,8 +41,7 @@ def model(tmp_path_factory) -> tuple[Path, dict[str, np.ndarray], int]:
     """The GGUF file, the block bytes written for each tensor, and the seed (printed)."""
     import gguf
 
-    seed = int(np.random.SeedSequence().entropy % 2**32)
-    print(f"seed={seed}")
+    seed = fresh_seed()
     rng = np.random.default_rng(seed)
     path = tmp_path_factory.mktemp("e2e") / "tiny.gguf"
     writer = gguf.GGUFWriter(path, "llama")

@@ -15,11 +15,12 @@ import hostsim
 import numpy as np
 import pytest
 from bitcheck import assert_same_bits, bits
-from gemv_dispatch.kernels import emulate, launch, layout, program
+from gemv_dispatch.kernels import emulate, launch, layout
 from gemv_dispatch.kernels.codebooks import CODEBOOKS, SUPERBLOCK
 from gemv_dispatch.kernels.errors import BLOCK
 from gemv_dispatch.kernels.layout import pack
 from gemv_dispatch.kernels.registry import CANDIDATES
+from seeds import fresh_seed
 from test_emulate import ADVERSARIAL, weights
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None and not os.environ.get("CI"),
@@ -42,13 +43,7 @@ def valid(m: int) -> list:
 @pytest.fixture(scope="module")
 def sim() -> hostsim.Simulator:
     names = {c.kernel_name(cb, m) for cb in CODEBOOKS for m in M_SET for c in valid(m)}
-    return hostsim.build(program.SOURCE_PATH, tuple(sorted(names)))
-
-
-def seed() -> int:
-    value = int(np.random.SeedSequence().entropy % 2**32)
-    print(f"seed {value}")  # replay: weights(codebook, N, K // 32, seed, kind)
-    return value
+    return hostsim.build(tuple(sorted(names)))
 
 
 def activations(m: int, rng: np.random.Generator) -> np.ndarray:
@@ -82,7 +77,7 @@ def test_candidates_cover_every_family_and_engine():
 def test_staged_kernels_equal_the_emulator(sim, codebook, kind):
     """Every valid candidate at every M: the emulator's bytes (so grouped M equals serial M = 1), every element
     written; kpar through its fold launch."""
-    value = seed()
+    value = fresh_seed()
     rng = np.random.default_rng(value)
     packed = pack(codebook, weights(codebook, N, K // BLOCK, value, kind), N, K)
     x = activations(max(M_SET), rng)
@@ -101,7 +96,7 @@ def test_staged_kernels_equal_the_emulator(sim, codebook, kind):
 def test_kpar_candidates_share_one_workspace(sim):
     """The one-launch kpar leaves its tickets zero, ahead of the partials: candidates of every split and CTA
     width can take turns on one workspace (as the sweep's interleaved rounds do), twice over."""
-    value = seed()
+    value = fresh_seed()
     packed = pack("Q4_0", weights("Q4_0", N, K // BLOCK, value, "gaussian"), N, K)
     x = activations(16, np.random.default_rng(value))
     qa, expected = emulate.quantize_activations(x), emulated(packed, x)
@@ -118,7 +113,7 @@ def test_legacy_formats_on_an_odd_block_count(sim, codebook):
     """KB = 33 (legacy formats only; super-blocks need KB % 8 == 0): odd partition widths, ring chunks cut short,
     N = 40 (one partial tile group per CTA)."""
     n, k = 40, 33 * BLOCK
-    value = seed()
+    value = fresh_seed()
     packed = pack(codebook, weights(codebook, n, k // BLOCK, value, "gaussian"), n, k)
     x = np.ascontiguousarray(activations(max(M_SET), np.random.default_rng(value))[:, :k])
     with np.errstate(all="ignore"):
@@ -131,7 +126,7 @@ def test_legacy_formats_on_an_odd_block_count(sim, codebook):
 
 
 def test_activation_kernel_equals_the_emulator(sim):
-    rng = np.random.default_rng(seed())
+    rng = np.random.default_rng(fresh_seed())
     x = activations(5, rng)
     m, kb = x.shape[0], K // BLOCK
     q = np.zeros((kb, m, BLOCK), np.int8)
@@ -149,7 +144,7 @@ def test_activation_kernel_equals_the_emulator(sim):
 def test_wrong_scales_or_identities_are_detected(sim, codebook):
     """Negative controls: the comparison above can fail. A kernel fed other sub-block scales (the super-blocks
     in another order), or a candidate of another identity, differs from the emulator on random data."""
-    value = seed()
+    value = fresh_seed()
     packed = pack(codebook, weights(codebook, N, K // BLOCK, value, "gaussian"), N, K)
     qa = emulate.quantize_activations(activations(5, np.random.default_rng(value)))
     wide, kpar = (next(c for c in valid(5) if c.family == f and c.split(K) == s) for f, s in (("wide", 1), ("kpar", 8)))
@@ -182,7 +177,7 @@ def test_a_mixed_q4_k_q6_k_gguf_runs_through_the_kernels(sim, tmp_path):
     from gemv_dispatch.dispatch.shapes import from_gguf
     from gemv_dispatch.kernels.codebooks import quantize
 
-    rng = np.random.default_rng(seed())
+    rng = np.random.default_rng(fresh_seed())
     path = tmp_path / "q4_k_m.gguf"
     writer = gguf.GGUFWriter(path, "llama")
     written = {}

@@ -9,6 +9,7 @@ from gemv_dispatch.kernels import emulate, layout
 from gemv_dispatch.kernels.codebooks import CODEBOOKS, SUPERBLOCK, get, quantize
 from gemv_dispatch.kernels.errors import InputError
 from gemv_dispatch.kernels.registry import CANDIDATES, candidates_for
+from seeds import fresh_seed
 
 pytestmark = pytest.mark.gpu
 
@@ -17,13 +18,6 @@ POISON = np.uint32(0x7FBADBAD)  # a NaN pattern no kernel writes
 # K of the first shape: 129 blocks for the legacy formats (odd partition widths), 17 super-blocks (136 blocks,
 # partitions that cut Q4_K/Q5_K pairs and Q6_K quads) for the super-block ones.
 ODD_K = {cb: 4352 if cb in SUPERBLOCK else 4128 for cb in CODEBOOKS}
-
-
-def fresh_rng() -> np.random.Generator:
-    """A generator from a fresh seed, printed so a failure on the GPU can be replayed."""
-    seed = int(np.random.SeedSequence().entropy % 2**32)
-    print(f"seed {seed}")
-    return np.random.default_rng(seed)
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +67,7 @@ def run(cp, stream, cand, weights, x_np, *, qact=None):
 def test_activation_kernel_matches_emulator(cp, stream):
     from gemv_dispatch.kernels import launch
 
-    rng = fresh_rng()
+    rng = np.random.default_rng(fresh_seed())
     x = adversarial_activations(7, 4128, rng)
     with stream:
         x_dev = cp.asarray(x)
@@ -94,7 +88,7 @@ def test_candidates_equal_emulator_and_serial_m1(cp, stream, codebook, n, k, m_s
 
     k = k or ODD_K[codebook]
     assert k % get(codebook).weights == 0
-    rng = fresh_rng()
+    rng = np.random.default_rng(fresh_seed())
     packed = make_weights(codebook, n, k, rng)
     weights = launch.to_device(packed)
     m_max = max(m_set)
@@ -122,7 +116,7 @@ def test_candidates_equal_emulator_and_serial_m1(cp, stream, codebook, n, k, m_s
 
 def test_negative_control_identities_differ(cp, stream):
     """Two different identities on random data must give different bytes: the checks above can fail."""
-    rng = fresh_rng()
+    rng = np.random.default_rng(fresh_seed())
     n, k = 1000, 4128
     packed = make_weights("Q4_0", n, k, rng)
     from gemv_dispatch.kernels import launch
@@ -137,7 +131,7 @@ def test_negative_control_identities_differ(cp, stream):
 def test_bad_launches_are_refused(cp, stream):
     from gemv_dispatch.kernels import launch
 
-    rng = fresh_rng()
+    rng = np.random.default_rng(fresh_seed())
     weights = launch.to_device(make_weights("Q8_0", 64, 256, rng))
     x = cp.asarray(rng.standard_normal((2, 256), dtype=np.float32))
     with pytest.raises(InputError, match="stream 0"):
@@ -182,7 +176,7 @@ def test_kpar_candidates_share_one_workspace_and_leave_its_tickets_zero(cp, stre
     from gemv_dispatch.kernels import launch
     from gemv_dispatch.kernels.registry import ticket_words
 
-    rng = fresh_rng()
+    rng = np.random.default_rng(fresh_seed())
     n, k, m = 1000, ODD_K[codebook], 16
     packed = make_weights(codebook, n, k, rng)
     weights = launch.to_device(packed)

@@ -10,13 +10,16 @@ from gemv_dispatch.kernels.codebooks import CODEBOOKS
 from gemv_dispatch.kernels.layout import plane_shapes
 
 
-def test_launches_pass_the_planes_in_declared_order():
-    """DeviceWeights.plane_args follows the source's declaration, null for a plane the codebook lacks."""
-    payload, scale, high = np.zeros(4, np.uint32), np.zeros(2, np.uint16), np.zeros(2, np.uint32)
-    weights = launch.DeviceWeights("Q5_0", 8, 32, payload=payload, scale=scale, min=None, high=high)
+@pytest.mark.parametrize(("codebook", "k", "present"), [("Q5_0", 32, ("payload", "high", "scale")),
+                                                      ("Q4_K", 256, ("payload", "scale", "min", "sub"))])
+def test_launches_pass_the_planes_in_declared_order(codebook, k, present):
+    """DeviceWeights.plane_args follows the source's declaration (the super-block formats' sub-block scale plane
+    fifth), null for a plane the codebook lacks."""
     assert program.planes() == ("payload", "high", "scale", "minv", "sub")
-    args = weights.plane_args()
-    assert args[0] is payload and args[1] is high and args[2] is scale and args[3] == 0 and args[4] == 0
+    planes = {f: np.zeros(2, np.uint32) if f in present else None for f in ("payload", "high", "scale", "min", "sub")}
+    args = launch.DeviceWeights(codebook, 8, k, **planes).plane_args()
+    assert [a is planes[f] if f in present else a == 0 for f, a in zip(
+        ("payload", "high", "scale", "min", "sub"), args, strict=True)] == [True] * 5
 
 
 @pytest.mark.parametrize("codebook", CODEBOOKS)
@@ -37,11 +40,3 @@ def test_random_device_weights_have_the_planes_pack_makes(codebook, monkeypatch)
     scales = w.scale.view(np.float16).astype(np.float32)
     assert np.isfinite(scales).all() and (scales >= 9.99e-4).all() and (scales < 1.0001e-2).all()
 
-
-def test_the_planes_go_in_the_order_the_source_declares():
-    """The source declares the super-block formats' sub-block scale plane fifth; absent planes are null."""
-    planes = {name: np.zeros(2, np.uint32) for name in ("payload", "scale", "min", "sub")}
-    weights = launch.DeviceWeights("Q4_K", 8, 256, high=None, **planes)
-    args = weights.plane_args()
-    assert [a is planes[f] if f in planes else a == 0 for f, a in zip(
-        ("payload", "high", "scale", "min", "sub"), args, strict=True)] == [True] * 5

@@ -17,6 +17,7 @@ from gemv_dispatch.kernels import emulate, launch, layout
 from gemv_dispatch.kernels.codebooks import quantize
 from gemv_dispatch.kernels.errors import InputError
 from gemv_dispatch.kernels.registry import candidates_for
+from seeds import fresh_seed
 
 pytestmark = pytest.mark.gpu
 
@@ -39,9 +40,7 @@ def cp():
 
 @pytest.fixture
 def rng():
-    seed = int(np.random.SeedSequence().entropy % 2**32)
-    print(f"seed={seed}")
-    return np.random.default_rng(seed)
+    return np.random.default_rng(fresh_seed())
 
 
 def spin(cp, stream) -> None:

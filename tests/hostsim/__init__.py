@@ -26,7 +26,6 @@ from gemv_dispatch.kernels.layout import PackedWeights
 from gemv_dispatch.kernels.registry import Candidate, ticket_words
 
 HERE = Path(__file__).parent
-REPO = HERE.parent.parent
 FLAGS = ("-std=c++20", "-O1", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared", "-w")
 
 
@@ -37,13 +36,12 @@ def entry(signature: str) -> str:
     return f"template <auto F>\nvoid gemv_entry(void* const* a) {{ F({args}); }}\n"
 
 
-def unit(source: Path, kernel_names: tuple[str, ...]) -> str:
+def unit(kernel_names: tuple[str, ...]) -> str:
     """The translation unit: the shim, the kernel source, and an entry per instantiation (launcher.h)."""
-    text = source.read_text()
     rows = [("quantize_activations", "quantize_entry"), *((name, f"gemv_entry<&{name}>") for name in kernel_names)]
     table = ",\n".join(f'    {{"{name}", {run}}}' for name, run in rows)
-    return (f'#define GEMV_HOSTSIM 1\n#include "{HERE / "cuda_host.h"}"\n#include "{source}"\n'
-            f'#include "{HERE / "launcher.h"}"\n{entry(program.declared_signature(text))}'
+    return (f'#define GEMV_HOSTSIM 1\n#include "{HERE / "cuda_host.h"}"\n#include "{program.SOURCE_PATH}"\n'
+            f'#include "{HERE / "launcher.h"}"\n{entry(program.declared_signature(program.source()))}'
             f"const Entry entries[] = {{\n{table}\n}};\nconst int entry_count = {len(rows)};\n")
 
 
@@ -52,14 +50,14 @@ def cache_dir() -> Path:
 
 
 @cache
-def build(source: Path, kernel_names: tuple[str, ...]) -> Simulator:
-    """Compile `source` for the host with these instantiations (cached by content in cache_dir())."""
+def build(kernel_names: tuple[str, ...]) -> Simulator:
+    """Compile the kernel source for the host with these instantiations (cached by content in cache_dir())."""
     compiler = shutil.which("g++")
     if compiler is None:
         raise FileNotFoundError("g++ is not on PATH")
-    text = unit(source, tuple(sorted(kernel_names)))
+    text = unit(tuple(sorted(kernel_names)))
     headers = [(HERE / name).read_text() for name in ("cuda_host.h", "launcher.h")]
-    key = hashlib.sha256("\0".join([text, source.read_text(), *headers, *FLAGS]).encode())
+    key = hashlib.sha256("\0".join([text, program.source(), *headers, *FLAGS]).encode())
     library = cache_dir() / f"{key.hexdigest()[:24]}.so"
     if not library.exists():
         library.parent.mkdir(parents=True, exist_ok=True)
@@ -98,8 +96,8 @@ class Simulator:
         """y float32 [M, N] by `candidate` into a buffer filled with `poison` bits; kpar folds in the same launch,
         through `ws` (default: a new one of zero tickets and NaN partials), whose tickets it must leave zero."""
         m, n, k = qa.m, packed.n, packed.k
-        planes = [np.ascontiguousarray(p) if p is not None else None
-                  for p in (packed.payload, packed.high, packed.scale, packed.min, packed.sub)]
+        planes = [None if p is None else np.ascontiguousarray(p)  # in the source's order, as kernels.launch passes
+                  for p in (getattr(packed, launch.PLANE_FIELDS[name]) for name in program.planes())]
         # Block-major activations ([KB][M]), as launch.quantize_activations writes them.
         q = np.ascontiguousarray(qa.q.transpose(1, 0, 2))
         d, s = np.ascontiguousarray(qa.d.T), np.ascontiguousarray(qa.sum.T)
