@@ -1,0 +1,114 @@
+"""A/B of kernel sources: the same candidates on the same cells, timed interleaved in one run.
+
+    git show REV:kernels/cuda/gemv.cu > .ab/base.cu
+    python bench/source_ab.py .ab/base.cu [.ab/variant.cu ...] --family kpar --out bench/results/ab.json
+
+Each source is a file (not a revision: the device copy has no git history), the first the baseline; the working
+tree's source ("tree") is always timed too. All are built with the same options and name expressions, so they
+must keep the parameter list and the workspace layout. Every version of a candidate enters one
+time_candidates call (graph replay, cold L2 by rotation, interleaved rounds, medians, no racing): each ratio
+comes from one run. Before timing, every version's output is compared byte for byte with the tree's, and a kpar
+launch must leave its tickets zero: sources that disagree are refused, with the cell and candidate named.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+import cupy as cp
+import numpy as np
+from anchors import ANCHORS
+from gemv_dispatch.dispatch.sweep import sweep_timing, weight_copies
+from gemv_dispatch.dispatch.timing import CupyBackend, cell_seed, time_candidates
+from gemv_dispatch.kernels import launch, program
+from gemv_dispatch.kernels.registry import candidates_for, kernel_names, ticket_words
+
+CONFIG = replace(sweep_timing(), window_us=300.0, race=False)
+TREE = "tree"
+
+
+def time_cell(modules: dict[str, Any], codebook: str, m: int, n: int, k: int, family: str, stream: Any,
+              l2: int) -> list[dict[str, Any]]:
+    """Every version of every `family` candidate of the cell: medians (µs) by version, bytes checked first."""
+    rng = cp.random.default_rng(cell_seed(codebook, n, k, CONFIG.seed))
+    with stream:
+        copies = weight_copies(codebook, n, k, rng, l2, CONFIG.cold_l2)
+        x = cp.random.default_rng(cell_seed(codebook, m, n, k)).standard_normal((m, k), dtype=cp.float32)
+        qact = launch.quantize_activations(x, stream)
+    store = launch.storage(qact)
+    candidates = [c for c in candidates_for(m, n, k) if c.family == family]
+    need = max(c.workspace_bytes(m, n, k) for c in candidates)
+    launches, results = {}, {}
+    for c in candidates:
+        for tag, module in modules.items():
+            with stream:
+                out = cp.full((m, n), np.nan, cp.float32)
+                ws = launch.new_workspace(need, n) if need else None
+            plans = [launch.plan(c, w, m) for w in copies]
+            if module is not None:
+                kernel = module.get_function(c.kernel_name(codebook, m))
+                plans = [replace(p, kernel=kernel) for p in plans]
+            launches[f"{tag}:{c.id}"] = lambda i, plans=plans, out=out, ws=ws: plans[i].enqueue(store, out, ws, stream)
+            launches[f"{tag}:{c.id}"](0)
+            results[(tag, c.id)] = (out, ws)
+    stream.synchronize()
+    for (tag, cid), (out, ws) in results.items():
+        where = f"{codebook} M={m} {n}x{k} {cid} ({tag})"
+        if not np.array_equal(cp.asnumpy(out).view(np.uint32), cp.asnumpy(results[(TREE, cid)][0]).view(np.uint32)):
+            raise SystemExit(f"{where}: the output differs from the working tree's source")
+        if ws is not None and cp.asnumpy(ws[: ticket_words(n)]).any():
+            raise SystemExit(f"{where}: the launch left its tickets nonzero")
+    stats = time_candidates(launches, len(copies), CONFIG, CupyBackend(stream), seed=cell_seed(codebook, m, n, k))
+    return [{"codebook": codebook, "m": m, "n": n, "k": k, "candidate": c.id,
+             "us": {tag: stats[f"{tag}:{c.id}"].median_us for tag in modules}} for c in candidates]
+
+
+def report(rows: list[dict[str, Any]], tags: list[str]) -> None:
+    """Per cell: the best candidate of each version, and its time over the baseline's best."""
+    base = tags[0]
+    cells: dict[tuple, list[dict[str, Any]]] = {}
+    for r in rows:
+        cells.setdefault((r["codebook"], r["m"], r["n"], r["k"]), []).append(r)
+    print(f"{'cell':24s} " + " ".join(f"{'best ' + t:>26s}" for t in tags) + "   best / best " + base)
+    for (cb, m, n, k), rs in cells.items():
+        bests = {t: min(rs, key=lambda r, t=t: r["us"][t]) for t in tags}
+        print(f"{cb} M={m:<2d} {n}x{k:<11d} "
+              + " ".join(f"{bests[t]['candidate']:>18s} {bests[t]['us'][t]:7.1f}" for t in tags) + "   "
+              + " ".join(f"{bests[t]['us'][t] / bests[base]['us'][base]:.3f}" for t in tags[1:]))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("sources", type=Path, nargs="+", help="kernel source files, the baseline first")
+    ap.add_argument("--family", default="kpar", help="the candidate family to compare (default kpar)")
+    ap.add_argument("--codebooks", default="Q4_0,Q8_0")
+    ap.add_argument("--ms", default="1,16")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    started = time.time()
+    stream = cp.cuda.Stream(non_blocking=True)
+    l2 = int(cp.cuda.runtime.getDeviceProperties(0)["l2CacheSize"])
+    texts = {p.stem: p.read_text() for p in args.sources}
+    tags = [*texts, TREE]
+    rows = []
+    for codebook in args.codebooks.split(","):
+        names = list(kernel_names(codebook))
+        modules = {tag: cp.RawModule(code=text, options=program.CONTRACT_OPTIONS, name_expressions=names)
+                   for tag, text in texts.items()} | {TREE: None}
+        for m in map(int, args.ms.split(",")):
+            for n, k in ANCHORS:
+                rows += time_cell(modules, codebook, m, n, k, args.family, stream, l2)
+                print(f"{codebook} M={m:2d} {n:6d}x{k:<6d} timed", flush=True)
+    report(rows, tags)
+    if args.out:
+        args.out.write_text(json.dumps({"sources": [str(p) for p in args.sources], "config": asdict(CONFIG),
+                                        "rows": rows, "seconds": time.time() - started}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
