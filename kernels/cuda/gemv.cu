@@ -308,31 +308,73 @@ __device__ __forceinline__ int ticket_words(int N) { return ((N + 7) / 8 + 3) / 
 // kpar's fold, in the kernel: every CTA has written its partition's partials of the columns
 // [col_begin, col_begin + cols) to the workspace; the one that draws the last ticket of its column range (an
 // integer counter: no float atomics) folds y = ((0 + acc_0) + acc_1) + ... in ascending p, the contract's order,
-// and resets the counter for the next launch.
+// and resets the counter for the next launch. The fold is the launch's serial tail, so it keeps many loads in
+// flight: 4 adjacent columns per 16-byte load where N allows, FOLD_AHEAD partitions loaded before their adds.
+constexpr int FOLD_AHEAD = 8;
 #ifndef GEMV_HOSTSIM
-__device__ __forceinline__ float load_l2(const float* p) { return __ldcg(p); }  // written by other SMs: not L1
+// Written by other SMs: read through L2, never L1.
+template <int W>
+__device__ __forceinline__ void load_l2(float (&v)[W], const float* p) {
+    if constexpr (W == 4) {
+        const float4 f = __ldcg(reinterpret_cast<const float4*>(p));
+        v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
+    } else {
+        v[0] = __ldcg(p);
+    }
+}
+// Thread 0 alone draws its CTA's ticket, after a barrier: the acq_rel atomic releases the whole CTA's partials
+// (the barrier orders them before it, and a release is cumulative) and, for the last CTA, acquires the others'.
+__device__ __forceinline__ unsigned draw_ticket(unsigned* ticket) {
+    unsigned old;
+    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(old) : "l"(ticket) : "memory");
+    return old;
+}
 #else
-inline float load_l2(const float* p) { return *p; }
+template <int W>
+inline void load_l2(float (&v)[W], const float* p) { for (int w = 0; w < W; ++w) v[w] = p[w]; }
+inline unsigned draw_ticket(unsigned* ticket) { return atomicAdd(ticket, 1u); }
 #endif
+template <int W>
+__device__ __forceinline__ void fold_columns(const float* __restrict__ partials, float* __restrict__ out, int S,
+                                             int M, int N, int col_begin, int cols, int tid, int threads) {
+    const int groups = cols / W;
+    const u64 plane = (u64)M * N;
+    for (int i = tid; i < M * groups; i += threads) {
+        const int c = col_begin + i % groups * W;
+        if (c >= N) continue;  // W = 4 only where 4 | N, so c + 3 < N too
+        const u64 at = (u64)(i / groups) * N + c;
+        float y[W];
+#pragma unroll
+        for (int w = 0; w < W; ++w) y[w] = 0.0f;
+        for (int q0 = 0; q0 < S; q0 += FOLD_AHEAD) {
+            float v[FOLD_AHEAD][W];
+#pragma unroll
+            for (int j = 0; j < FOLD_AHEAD; ++j)
+                if (q0 + j < S) load_l2<W>(v[j], partials + (q0 + j) * plane + at);
+#pragma unroll
+            for (int j = 0; j < FOLD_AHEAD; ++j)
+                if (q0 + j < S)
+#pragma unroll
+                    for (int w = 0; w < W; ++w) y[w] = add_rn(y[w], v[j][w]);
+        }
+#pragma unroll
+        for (int w = 0; w < W; ++w) out[at + w] = y[w];
+    }
+}
+// cols and col_begin are multiples of 4 (every candidate's CTA covers 32 or more columns).
 __device__ __forceinline__ void fold_last(float* __restrict__ ws, float* __restrict__ out, int S, int M, int N,
                                           int col_begin, int cols) {
     unsigned* tickets = reinterpret_cast<unsigned*>(ws);
     const float* partials = ws + ticket_words(N);
     const int tid = threadIdx.x + blockDim.x * threadIdx.y, threads = blockDim.x * blockDim.y;
-    __threadfence();  // this thread's partials are visible device-wide before its CTA's ticket
     __syncthreads();
-    // One thread draws the ticket; the barrier's vote tells every thread (no shared memory: the ring uses it all).
-    const bool drew_last = tid == 0 && atomicAdd(tickets + blockIdx.x, 1u) == (unsigned)(S - 1);
+    // The barrier's vote tells every thread (no shared memory: the ring uses it all).
+    const bool drew_last = tid == 0 && draw_ticket(tickets + blockIdx.x) == (unsigned)(S - 1);
     if (!__syncthreads_or(drew_last)) return;
-    __threadfence();
-    for (int i = tid; i < M * cols; i += threads) {
-        const int r = i / cols, c = col_begin + i % cols;
-        if (c >= N) continue;
-        const u64 at = (u64)r * N + c;
-        float y = 0.0f;
-        for (int q = 0; q < S; ++q) y = add_rn(y, load_l2(partials + (u64)q * M * N + at));
-        out[at] = y;
-    }
+    if (N % 4 == 0)
+        fold_columns<4>(partials, out, S, M, N, col_begin, cols, tid, threads);
+    else
+        fold_columns<1>(partials, out, S, M, N, col_begin, cols, tid, threads);
     if (tid == 0) tickets[blockIdx.x] = 0u;  // every CTA of the range has drawn its ticket
 }
 

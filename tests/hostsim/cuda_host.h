@@ -211,7 +211,6 @@ inline int __syncthreads_or(int predicate) {  // read before this thread can rea
     hostsim::wait_at(cta);
     return cta.result;
 }
-inline void __threadfence() {}  // one host thread runs every CUDA thread: its stores are already visible
 inline unsigned atomicAdd(unsigned* p, unsigned v) {  // no two fibers run at once: a plain update is atomic
     const unsigned old = *p;
     *p = old + v;
