@@ -1,0 +1,39 @@
+"""The committed kernel benchmark report (bench/results/kernels-h200.md) is what bench/kernels_report.py renders from
+the committed JSON of the same run, so its figures and target verdicts cannot drift from the measurements."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = "bench/results/kernels-h200.json"
+
+
+def kernels_report():
+    path = REPO / "bench" / "kernels_report.py"
+    if not path.is_file():
+        pytest.skip("bench/ is not part of this tree (an installed package without the checkout)")
+    spec = importlib.util.spec_from_file_location("kernels_report", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_committed_report_is_rendered_from_the_committed_json():
+    report = kernels_report().report
+    data = json.loads((REPO / RESULTS).read_text())
+    assert report(data, RESULTS) == (REPO / RESULTS).with_suffix(".md").read_text()
+
+
+def test_a_changed_measurement_changes_the_report():
+    """Negative control: doubling one row's time is visible in the rendered report."""
+    report = kernels_report().report
+    data = json.loads((REPO / RESULTS).read_text())
+    changed = copy.deepcopy(data)
+    changed["rows"][0]["us"] *= 2
+    assert report(changed, RESULTS) != report(data, RESULTS)
