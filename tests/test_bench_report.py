@@ -14,25 +14,25 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = "bench/results/kernels-h200.json"
 
 
-def kernels_report():
+@pytest.fixture(scope="module")
+def report():
+    """bench/kernels_report.py's report function (bench/ is scripts, not a package)."""
     path = REPO / "bench" / "kernels_report.py"
     if not path.is_file():
         pytest.skip("bench/ is not part of this tree (an installed package without the checkout)")
     spec = importlib.util.spec_from_file_location("kernels_report", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module
+    return module.report
 
 
-def test_committed_report_is_rendered_from_the_committed_json():
-    report = kernels_report().report
+def test_committed_report_is_rendered_from_the_committed_json(report):
     data = json.loads((REPO / RESULTS).read_text())
     assert report(data, RESULTS) == (REPO / RESULTS).with_suffix(".md").read_text()
 
 
-def test_a_changed_measurement_changes_the_report():
+def test_a_changed_measurement_changes_the_report(report):
     """Negative control: doubling one row's time is visible in the rendered report."""
-    report = kernels_report().report
     data = json.loads((REPO / RESULTS).read_text())
     changed = copy.deepcopy(data)
     changed["rows"][0]["us"] *= 2

@@ -125,6 +125,26 @@ def test_legacy_formats_on_an_odd_block_count(sim, codebook):
                 assert_same_bits(got, expected[cand.split(k)][:m], f"{codebook} {cand.id} M={m}")
 
 
+@pytest.mark.parametrize("codebook", ["Q4_0", "Q6_K"])
+@pytest.mark.parametrize("n", [37, 70])
+def test_kpar_folds_one_column_at_a_time_where_4_does_not_divide_n(sim, codebook, n):
+    """The last CTA folds 4 columns per load only where 4 | N; N = 37 and 70 take the one-column fold (the dp4a
+    kpar candidates of 1 and 2 outputs per thread), the last CTA column range cut short."""
+    assert n % 4
+    value = fresh_seed()
+    packed = pack(codebook, weights(codebook, n, K // BLOCK, value, "gaussian"), n, K)
+    x = activations(max(M_SET), np.random.default_rng(value))
+    with np.errstate(all="ignore"):
+        expected = emulated(packed, x)
+        for m in (1, 5):
+            qa = emulate.quantize_activations(x[:m])
+            kpar = [c for c in CANDIDATES if c.grid_split and c.valid(m, n, K)]
+            assert {c.cpt for c in kpar} == ({1} if n % 2 else {1, 2})
+            for cand in kpar:
+                got = sim.gemv(cand, packed, qa, POISON)
+                assert_same_bits(got, expected[cand.split(K)][:m], f"{codebook} {cand.id} N={n} M={m}")
+
+
 def test_activation_kernel_equals_the_emulator(sim):
     rng = np.random.default_rng(fresh_seed())
     x = activations(5, rng)
