@@ -7,8 +7,11 @@ Each source is a file (not a revision: the device copy has no git history), the 
 tree's source ("tree") is always timed too. All are built with the same options and name expressions, so they
 must keep the parameter list and the workspace layout. Every version of a candidate enters one
 time_candidates call (graph replay, cold L2 by rotation, interleaved rounds, medians, no racing): each ratio
-comes from one run. Before timing, every version's output is compared byte for byte with the tree's, and a kpar
-launch must leave its tickets zero: sources that disagree are refused, with the cell and candidate named.
+comes from one run. First every version's instantiations of the family are compiled with nvcc (sm_90, the
+contract's options): a version that spills is refused (the certificate's spill_free check would refuse its table
+after a whole sweep), and the registers of each go into the report. Before timing, every version's output is
+compared byte for byte with the tree's, and a kpar launch must leave its tickets zero: sources that disagree are
+refused, with the cell and candidate named.
 """
 
 from __future__ import annotations
@@ -25,8 +28,8 @@ import numpy as np
 from anchors import ANCHORS
 from gemv_dispatch.dispatch.sweep import sweep_timing, weight_copies
 from gemv_dispatch.dispatch.timing import CupyBackend, cell_seed, time_candidates
-from gemv_dispatch.kernels import launch, program
-from gemv_dispatch.kernels.registry import candidates_for, kernel_names, ticket_words
+from gemv_dispatch.kernels import launch, program, ptxas
+from gemv_dispatch.kernels.registry import CANDIDATES, candidates_for, kernel_names, ticket_words
 
 CONFIG = replace(sweep_timing(), window_us=300.0, race=False)
 TREE = "tree"
@@ -68,6 +71,22 @@ def time_cell(modules: dict[str, Any], codebook: str, m: int, n: int, k: int, fa
              "us": {tag: stats[f"{tag}:{c.id}"].median_us for tag in modules}} for c in candidates]
 
 
+def registers(texts: dict[str, str], family: str, codebooks: list[str], ms: list[int]) -> dict[str, dict[str, int]]:
+    """Registers by version and kernel name of the family's instantiations; a version that spills is refused."""
+    names = sorted({c.kernel_name(cb, m) for c in CANDIDATES if c.family == family for cb in codebooks for m in ms})
+    found = {}
+    for tag, text in texts.items():
+        built = ptxas.compile_report(names, text=text).resources
+        if spills := [r.describe() for r in built if not r.spill_free]:
+            raise SystemExit(f"{tag} spills: {'; '.join(spills)}")
+        found[tag] = {r.name: r.registers for r in built if r.name not in program.HELPER_KERNELS}
+    width = max(map(len, names))
+    print(f"{'registers':{width}s} " + " ".join(f"{t:>8s}" for t in found))
+    for name in names:
+        print(f"{name:{width}s} " + " ".join(f"{found[t].get(name, 0):8d}" for t in found))
+    return found
+
+
 def report(rows: list[dict[str, Any]], tags: list[str]) -> None:
     """Per cell: the best candidate of each version, and its time over the baseline's best."""
     base = tags[0]
@@ -95,19 +114,22 @@ def main() -> None:
     l2 = int(cp.cuda.runtime.getDeviceProperties(0)["l2CacheSize"])
     texts = {p.stem: p.read_text() for p in args.sources}
     tags = [*texts, TREE]
+    codebooks, ms = args.codebooks.split(","), [int(m) for m in args.ms.split(",")]
+    regs = registers(texts | {TREE: program.source()}, args.family, codebooks, ms)
     rows = []
-    for codebook in args.codebooks.split(","):
+    for codebook in codebooks:
         names = list(kernel_names(codebook))
         modules = {tag: cp.RawModule(code=text, options=program.CONTRACT_OPTIONS, name_expressions=names)
                    for tag, text in texts.items()} | {TREE: None}
-        for m in map(int, args.ms.split(",")):
+        for m in ms:
             for n, k in ANCHORS:
                 rows += time_cell(modules, codebook, m, n, k, args.family, stream, l2)
                 print(f"{codebook} M={m:2d} {n:6d}x{k:<6d} timed", flush=True)
     report(rows, tags)
     if args.out:
-        args.out.write_text(json.dumps({"sources": [str(p) for p in args.sources], "config": asdict(CONFIG),
-                                        "rows": rows, "seconds": time.time() - started}, indent=1) + "\n")
+        result = {"sources": [str(p) for p in args.sources], "config": asdict(CONFIG), "registers": regs,
+                  "rows": rows, "seconds": time.time() - started}
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":

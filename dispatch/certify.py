@@ -749,9 +749,8 @@ def check_spill_free(names: Sequence[str], arch: str, tally: Tally) -> str | Non
     tally.keys = len(names)
     tally.comparisons = len(report)
     for r in report:
-        if r.stack_bytes or r.spill_store_bytes or r.spill_load_bytes:
-            tally.fail(f"{r.name}: {r.stack_bytes} bytes stack frame, {r.spill_store_bytes} bytes spill stores, "
-                       f"{r.spill_load_bytes} bytes spill loads ({arch})")
+        if not r.spill_free:
+            tally.fail(f"{r.describe()} ({arch})")
     return None
 
 

@@ -66,7 +66,9 @@ def planes() -> tuple[str, ...]:
     return declared_planes(source())
 
 
-def explicit_instantiations(kernel_names: list[str]) -> str:
-    """A translation unit that instantiates each template kernel of the source, for nvcc."""
-    params = declared_signature(source())
-    return "\n".join([source(), *(f"template __global__ void {name}{params};" for name in kernel_names)]) + "\n"
+def explicit_instantiations(kernel_names: list[str], text: str | None = None) -> str:
+    """A translation unit that instantiates each template kernel of a kernel source (default: the package's), for
+    nvcc."""
+    text = source() if text is None else text
+    params = declared_signature(text)
+    return "\n".join([text, *(f"template __global__ void {name}{params};" for name in kernel_names)]) + "\n"

@@ -28,6 +28,15 @@ class KernelResources:
     spill_store_bytes: int
     spill_load_bytes: int
 
+    @property
+    def spill_free(self) -> bool:
+        """No stack frame and no spills: what the compile check and the certificate require."""
+        return not (self.stack_bytes or self.spill_store_bytes or self.spill_load_bytes)
+
+    def describe(self) -> str:
+        return (f"{self.name}: {self.stack_bytes} bytes stack frame, {self.spill_store_bytes} bytes spill stores, "
+                f"{self.spill_load_bytes} bytes spill loads")
+
 
 def source_name(mangled: str) -> str:
     match = _TEMPLATE.search(mangled)
@@ -59,14 +68,15 @@ class Build:
     ptx: str  # the PTX the cubin was assembled from
 
 
-def compile_report(kernel_names: list[str], arch: str = "sm_90") -> Build:
-    """Compile the instantiations with nvcc -Xptxas -v, with the options CuPy's NVRTC build ends up with."""
+def compile_report(kernel_names: list[str], arch: str = "sm_90", text: str | None = None) -> Build:
+    """Compile the instantiations of a kernel source (default: the package's) with nvcc -Xptxas -v, with the
+    options CuPy's NVRTC build ends up with."""
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         raise FileNotFoundError("nvcc is not on PATH")
     with tempfile.TemporaryDirectory() as tmp:
         unit = Path(tmp) / "instantiations.cu"
-        unit.write_text(program.explicit_instantiations(kernel_names))
+        unit.write_text(program.explicit_instantiations(kernel_names, text))
         cmd = [nvcc, f"-arch={arch}", "-cubin", "-Xptxas", "-v", *program.CONTRACT_OPTIONS, *program.FORCED_BY_CUPY,
                "--keep", "--keep-dir", tmp, "-o", str(Path(tmp) / "out.cubin"), str(unit)]
         done = subprocess.run(cmd, capture_output=True, text=True, check=False)
