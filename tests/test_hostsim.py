@@ -145,6 +145,24 @@ def test_kpar_folds_one_column_at_a_time_where_4_does_not_divide_n(sim, codebook
                 assert_same_bits(got, expected[cand.split(K)][:m], f"{codebook} {cand.id} N={n} M={m}")
 
 
+@pytest.mark.parametrize("codebook", ["Q4_0", "Q8_0", "Q4_K"])
+def test_kpar_folds_up_to_64_partitions(sim, codebook):
+    """K = 2048: kpar splits into S = 2 ... 64, more partitions than one round of the fold's loads takes (FOLD_AHEAD = 8
+    per thread); M = 31: several tiles too."""
+    k = 2048
+    value = fresh_seed()
+    packed = pack(codebook, weights(codebook, N, k // BLOCK, value, "gaussian"), N, k)
+    x = np.random.default_rng(value).standard_normal((31, k)).astype(np.float32)
+    expected = emulated(packed, x)
+    for m in (1, 16, 31):
+        qa = emulate.quantize_activations(x[:m])
+        kpar = [c for c in CANDIDATES if c.grid_split and c.valid(m, N, k)]
+        assert {c.split(k) for c in kpar if c.engine == "mma"} >= {16, 32, 64}
+        for cand in kpar:
+            got = sim.gemv(cand, packed, qa, POISON)
+            assert_same_bits(got, expected[cand.split(k)][:m], f"{codebook} {cand.id} M={m}")
+
+
 def test_activation_kernel_equals_the_emulator(sim):
     rng = np.random.default_rng(fresh_seed())
     x = activations(5, rng)
