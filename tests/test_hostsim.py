@@ -146,9 +146,9 @@ def test_kpar_folds_one_column_at_a_time_where_4_does_not_divide_n(sim, codebook
 
 
 @pytest.mark.parametrize("codebook", ["Q4_0", "Q8_0", "Q4_K"])
-def test_kpar_folds_up_to_64_partitions(sim, codebook):
-    """K = 2048: kpar splits into S = 2 ... 64, more partitions than one round of the fold's loads takes (FOLD_AHEAD = 8
-    per thread); M = 31: several tiles too."""
+def test_up_to_64_partitions(sim, codebook):
+    """K = 2048: every candidate; kpar splits into S = 2 ... 64, more partitions than one round of the fold's loads
+    takes (FOLD_AHEAD = 8 per thread), direct into up to 16 (the tests above reach 8); M = 31: several tiles too."""
     k = 2048
     value = fresh_seed()
     packed = pack(codebook, weights(codebook, N, k // BLOCK, value, "gaussian"), N, k)
@@ -156,9 +156,10 @@ def test_kpar_folds_up_to_64_partitions(sim, codebook):
     expected = emulated(packed, x)
     for m in (1, 16, 31):
         qa = emulate.quantize_activations(x[:m])
-        kpar = [c for c in CANDIDATES if c.grid_split and c.valid(m, N, k)]
-        assert {c.split(k) for c in kpar if c.engine == "mma"} >= {16, 32, 64}
-        for cand in kpar:
+        valid_here = [c for c in CANDIDATES if c.valid(m, N, k)]
+        assert {c.split(k) for c in valid_here if c.family == "kpar"} >= {16, 32, 64}
+        assert 16 in {c.split(k) for c in valid_here if c.family == "direct"}
+        for cand in valid_here:
             got = sim.gemv(cand, packed, qa, POISON)
             assert_same_bits(got, expected[cand.split(k)][:m], f"{codebook} {cand.id} M={m}")
 
