@@ -80,6 +80,24 @@ def test_report_parser_flags_spills():
         "gemv_partial<0, 1, 1, false>", 255, 16, 8, 12)
 
 
+@needs_nvcc
+def test_another_source_compiles_and_its_stack_frame_is_caught():
+    """compile_report builds the text it is given (bench/source_ab.py compiles kernel variants this way), and
+    spill_free is false for a kernel with a stack frame: the negative control of the check above, end to end."""
+    text = program.source() + (
+        'extern "C" __global__ void indexed_local(float* out, int i) {\n'
+        "    float a[256];  // more than the register file gives a thread, written and read at runtime indices\n"
+        "    for (int j = 0; j < 256; ++j) a[(j * i) & 255] = out[j];\n"
+        "    out[0] = a[i & 255];\n"
+        "}\n")
+    name = registry.instantiations()[0][1]
+    by_name = {r.name: r for r in compile_report([name], "sm_90", text=text).resources}
+    assert set(by_name) == {name, "indexed_local", *program.HELPER_KERNELS}
+    assert by_name[name].spill_free
+    assert not by_name["indexed_local"].spill_free and by_name["indexed_local"].stack_bytes >= 256
+    assert "stack frame" in by_name["indexed_local"].describe()
+
+
 def test_report_parser_names_both_engines():
     assert source_name("_Z8gemv_mmaILi5ELi2ELi2ELb1EEvPKjS1_PKtS3_PKiPKfS5_iiiiPf") == "gemv_mma<5, 2, 2, true>"
     assert source_name("_Z12gemv_partialILi3ELi2ELi8ELb0EEvPKj") == "gemv_partial<3, 2, 8, false>"
