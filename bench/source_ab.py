@@ -76,7 +76,7 @@ def registers(texts: dict[str, str], family: str, codebooks: list[str], ms: list
     names = sorted({c.kernel_name(cb, m) for c in CANDIDATES if c.family == family for cb in codebooks for m in ms})
     found = {}
     for tag, text in texts.items():
-        built = ptxas.compile_report(names, text=text).resources
+        built = ptxas.compile_parallel(names, text=text)
         if spills := [r.describe() for r in built if not r.spill_free]:
             raise SystemExit(f"{tag} spills: {'; '.join(spills)}")
         found[tag] = {r.name: r.registers for r in built if r.name not in program.HELPER_KERNELS}

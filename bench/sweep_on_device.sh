@@ -17,6 +17,8 @@ devices=${5:-}
 root=${6:-corpus}
 name=$(basename "$root")-$modes-${ms//,/_}
 start=$(date +%s)
+# A kernel source that spills cannot be certified: refuse it before the sweep spends the call on it.
+python3 -m gemv_dispatch.kernels.ptxas || { echo "sweep refused: the kernel source spills"; exit 1; }
 timeout -s KILL "$seconds" python3 -m gemv_dispatch.dispatch.cli sweep --corpus-root "$root" --codebooks "$codebooks" \
     --m "$ms" --modes "$modes" ${devices:+--devices "$devices"} --json > "$OUT/$name.json" 2> "$OUT/$name.log"
 echo "sweep $codebooks M=$ms $modes devices=${devices:-0} rc=$? wall=$(( $(date +%s) - start ))s"

@@ -27,12 +27,10 @@ policy, the device, the M set, the modes, the tool version, and each check's res
 from __future__ import annotations
 
 import hashlib
-import os
 import shutil
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -56,7 +54,6 @@ POISON = 0x7FBADBAD  # a NaN pattern no kernel writes (GPU NaNs are the canonica
 EMULATED_COLUMNS = 16  # output columns the emulator computes per shape (see EmulatorRunner)
 SAMPLED_PER_CODEBOOK = 6  # unmeasured shapes per codebook decided by the fallback
 MAX_SAMPLED_WEIGHTS = 1 << 26  # N·K bound of a sampled shape: keeps GPU memory and time lean
-SPILL_JOBS = min(16, os.cpu_count() or 1)  # parallel nvcc processes of the spill check
 MAX_FAILURES_KEPT = 20  # per check, in the certificate; the total count is always kept
 Level = Literal["gpu", "emulator"]
 Result = Literal["pass", "fail", "skipped"]
@@ -737,15 +734,11 @@ def _chosen(select: Select, shapes: Sequence[Shape]) -> Iterator[tuple[Key, Cand
 def check_spill_free(names: Sequence[str], arch: str, tally: Tally) -> str | None:
     """Compile the instantiations with nvcc -Xptxas -v: no spills and no stack frame. Returns why it was
     skipped (no nvcc), else None."""
-    from gemv_dispatch.kernels.ptxas import compile_report
+    from gemv_dispatch.kernels.ptxas import compile_parallel
 
     if shutil.which("nvcc") is None:
         return "nvcc is not on PATH"
-    # One translation unit per chunk, compiled in parallel: nvcc is single-threaded and ~0.2 s per instantiation.
-    chunks = [list(names[i::SPILL_JOBS]) for i in range(min(SPILL_JOBS, len(names)))]
-    with ThreadPoolExecutor(len(chunks) or 1) as pool:
-        builds = list(pool.map(lambda chunk: compile_report(chunk, arch), chunks))
-    report = {r.name: r for b in builds for r in b.resources}.values()
+    report = compile_parallel(list(names), arch)
     tally.keys = len(names)
     tally.comparisons = len(report)
     for r in report:

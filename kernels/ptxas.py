@@ -1,14 +1,20 @@
 """Build every kernel instantiation with nvcc for a GPU architecture and read ptxas's resource report.
 
-Used by the CPU compile check (no GPU needed): registers, stack frame and spills per kernel.
+Used by the CPU compile check (no GPU needed), the certificate's spill_free check and bench/source_ab.py:
+registers, stack frame and spills per kernel. `python -m gemv_dispatch.kernels.ptxas` checks every instantiation
+the registry may launch (exit 1 if one spills): what a device sweep runs first, since a kernel source that spills
+cannot be certified.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,3 +90,31 @@ def compile_report(kernel_names: list[str], arch: str = "sm_90", text: str | Non
             raise RuntimeError(f"nvcc failed ({done.returncode}):\n{done.stderr[-4000:]}")
         ptx = "".join(p.read_text() for p in Path(tmp).glob("*.ptx"))
     return Build(parse_report(done.stderr + done.stdout), ptx)
+
+
+JOBS = min(16, os.cpu_count() or 1)  # parallel nvcc processes: nvcc is single-threaded, ~0.2 s per instantiation
+
+
+def compile_parallel(kernel_names: list[str], arch: str = "sm_90", text: str | None = None) -> list[KernelResources]:
+    """compile_report over JOBS translation units at once; one record per kernel (helpers once)."""
+    chunks = [kernel_names[i::JOBS] for i in range(min(JOBS, len(kernel_names)))]
+    with ThreadPoolExecutor(len(chunks) or 1) as pool:
+        builds = list(pool.map(lambda chunk: compile_report(chunk, arch, text), chunks))
+    return list({r.name: r for b in builds for r in b.resources}.values())
+
+
+def main() -> int:
+    from gemv_dispatch.kernels.registry import instantiations
+
+    names = sorted({name for _, name in instantiations()})
+    report = compile_parallel(names)
+    if offenders := [r for r in report if not r.spill_free]:
+        print("\n".join(r.describe() for r in offenders), file=sys.stderr)
+        print(f"error: {len(offenders)} of {len(report)} kernels spill (sm_90)", file=sys.stderr)
+        return 1
+    print(f"{len(report)} kernels spill-free on sm_90, {max(r.registers for r in report)} registers at most")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
