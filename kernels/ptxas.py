@@ -103,16 +103,24 @@ def compile_parallel(kernel_names: list[str], arch: str = "sm_90", text: str | N
     return list({r.name: r for b in builds for r in b.resources}.values())
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
     from gemv_dispatch.kernels.registry import instantiations
 
+    parser = argparse.ArgumentParser(prog="python -m gemv_dispatch.kernels.ptxas", description=__doc__)
+    parser.add_argument("--arch", default="sm_90", help="GPU architecture to compile for (default sm_90)")
+    args = parser.parse_args(argv)
+    if shutil.which("nvcc") is None:
+        print("error: nvcc is not on PATH (the CUDA toolkit)", file=sys.stderr)
+        return 3
     names = sorted({name for _, name in instantiations()})
-    report = compile_parallel(names)
+    report = compile_parallel(names, args.arch)
     if offenders := [r for r in report if not r.spill_free]:
         print("\n".join(r.describe() for r in offenders), file=sys.stderr)
-        print(f"error: {len(offenders)} of {len(report)} kernels spill (sm_90)", file=sys.stderr)
+        print(f"error: {len(offenders)} of {len(report)} kernels spill ({args.arch})", file=sys.stderr)
         return 1
-    print(f"{len(report)} kernels spill-free on sm_90, {max(r.registers for r in report)} registers at most")
+    print(f"{len(report)} kernels spill-free on {args.arch}, {max(r.registers for r in report)} registers at most")
     return 0
 
 
