@@ -12,6 +12,9 @@ ones at M = 1; cuBLAS fp16 and tinygemm wherever M > 1 or the codebook is Q4_0 o
 Llama-3.1-8B decode step (q, k, v, o, gate, up, down x 32 layers + lm_head) of the best candidate's time per
 shape, plus one activation quantization per distinct input (anchors.LLAMA_8B_QUANTIZED_PER_LAYER), at M = 1
 and 16, against the same sum for tinygemm and cuBLAS fp16 (which take bf16 / fp16 activations as they are).
+Floors, timed the same way: an empty kernel, and one thread reading one word of a cold 1 GiB buffer (the least a
+launch that waits on DRAM once can take); each row's time above the second is its `above_floor_us`. The report
+(bench/kernels_report.py) is printed last.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import cupy as cp
+import kernels_report
 import numpy as np
 from anchors import (
     ANCHORS,
@@ -61,6 +65,43 @@ extern "C" __global__ void stream_read(const uint4* __restrict__ src, unsigned l
     if (acc == 0x9E3779B9u) sink[0] = acc;  // keeps the loads; practically never taken
 }
 """
+
+
+FLOOR_KERNELS = r"""
+extern "C" __global__ void empty_kernel() {}
+// One word at a line chosen by the SM clock: a different line of the buffer at nearly every launch, so nearly every
+// read misses L2 (no rotation of copies evicts one line), and no memory access comes before it.
+extern "C" __global__ void read_cold_word(const unsigned* __restrict__ src, unsigned long long lines, unsigned* sink) {
+    const unsigned long long line = (clock64() * 0x9E3779B97F4A7C15ull >> 24) % lines;
+    const unsigned v = __ldcg(src + line * 32);
+    if (v == 0x9E3779B9u) sink[0] = v;  // keeps the load; practically never taken
+}
+"""
+COLD_BUFFER = 1 << 30  # bytes: 1 GiB, ~17x the H200's L2
+
+
+def time_floors(stream: Any) -> dict[str, float]:
+    """Device µs of an empty launch and of a one-word cold read, one thread each (graph replay, medians)."""
+    module = cp.RawModule(code=FLOOR_KERNELS)
+    empty, read = module.get_function("empty_kernel"), module.get_function("read_cold_word")
+    with stream:
+        src = cp.ones(COLD_BUFFER // 4, cp.uint32)
+        sink = cp.zeros(1, cp.uint32)
+    stream.synchronize()
+    lines = np.uint64(COLD_BUFFER // 128)
+
+    def run_empty(_: int) -> None:
+        with stream:
+            empty((1,), (1,), ())
+
+    def run_read(_: int) -> None:
+        with stream:
+            read((1,), (1,), (src, lines, sink))
+
+    # One copy: the clock picks the line, so the harness's rotation is not what keeps the read cold.
+    single = replace(CONFIG, cold_l2=False)
+    stats = time_candidates({"empty": run_empty, "cold_word": run_read}, 1, single, CupyBackend(stream))
+    return {name: st.median_us for name, st in stats.items()}
 
 
 def time_ours(timer: GpuTimer, codebook: str, m: int, n: int, k: int) -> dict[str, Stats]:
@@ -216,7 +257,9 @@ def main() -> None:
     l2 = prov.l2_bytes
     t0 = time.time()
     ceiling = read_ceiling(l2, prov.sm_count, timer.stream)
-    print(f"{props['name']}: read ceiling {ceiling:.0f} GB/s (16-byte streaming loads)", flush=True)
+    floors = time_floors(timer.stream)
+    print(f"{props['name']}: read ceiling {ceiling:.0f} GB/s (16-byte streaming loads); floors: empty launch "
+          f"{floors['empty']:.2f} µs, one cold word {floors['cold_word']:.2f} µs", flush=True)
     backend = TorchBackend()
     anchors = ANCHORS[:3] if args.quick else ANCHORS
     cells = [(cb, m, n, k) for cb in M_CODEBOOKS for n, k in anchors for m in MS]
@@ -246,7 +289,7 @@ def main() -> None:
         gbs = nbytes / st.median_us / 1e3
         row = {"codebook": codebook, "m": m, "n": n, "k": k, "best": best, "us": st.median_us, "p5_us": st.p5_us,
                "p95_us": st.p95_us, "weight_bytes": nbytes, "gbs": gbs, "of_ceiling": gbs / ceiling,
-               "ceiling_us": nbytes / ceiling / 1e3,
+               "ceiling_us": nbytes / ceiling / 1e3, "above_floor_us": st.median_us - floors["cold_word"],
                **{f"{b}_us": v for b, v in base.items()},
                **{f"x_{b}": v / st.median_us for b, v in base.items()},
                **{f"best_{e}_us": v for e, v in engines.items()},
@@ -256,25 +299,12 @@ def main() -> None:
     e2e = {} if args.quick else {f"{cb} M={m}": end_to_end(cb, m, ours, baseline, quantize_us)
                                   for cb in M_CODEBOOKS for m in E2E_MS}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"device": props, "read_ceiling_gbs": ceiling, "config": CONFIG.__dict__,
-                                    "seconds": time.time() - t0, "rows": rows, "end_to_end_us": e2e},
-                                   indent=1) + "\n")
+    data = {"device": props, "read_ceiling_gbs": ceiling, "floor_us": floors, "config": CONFIG.__dict__,
+            "seconds": time.time() - t0, "rows": rows, "end_to_end_us": e2e}
+    args.out.write_text(json.dumps(data, indent=1) + "\n")
     if args.plot:
         plot_roofline(rows, ceiling, args.plot)
-    print(f"\n{'codebook':8} {'M':>3} {'N':>7} {'K':>6} {'best':24} {'us':>8} {'GB/s':>6} {'ceil%':>6} "
-          f"{'x tiny':>7} {'x fp16':>7} {'dp4a us':>8} {'mma us':>8} {'/M=1':>6}")
-    m1 = {(r["codebook"], r["n"], r["k"]): r["us"] for r in rows if r["m"] == 1}
-    for r in rows:
-        tiny, fp16 = r.get("x_tinygemm_int4", math.nan), r.get("x_cublas_fp16", math.nan)
-        print(f"{r['codebook']:8} {r['m']:>3} {r['n']:>7} {r['k']:>6} {r['best']:24} {r['us']:8.2f} "
-              f"{r['gbs']:6.0f} {100 * r['of_ceiling']:6.1f} {tiny:7.2f} {fp16:7.2f} "
-              f"{r.get('best_dp4a_us', math.nan):8.2f} {r.get('best_mma_us', math.nan):8.2f} "
-              f"{r['us'] / m1[(r['codebook'], r['n'], r['k'])]:6.2f}")
-    for name, t in e2e.items():
-        print(f"end to end, Llama-3.1-8B decode step, {name}: ours {t['ours']:.0f} µs (GEMV {t['ours_gemv']:.0f} + "
-              f"quantize {t['ours_quantize']:.0f}), tinygemm {t['tinygemm_int4']:.0f} µs "
-              f"({t['tinygemm_int4'] / t['ours']:.2f}x), cuBLAS fp16 {t['cublas_fp16']:.0f} µs "
-              f"({t['cublas_fp16'] / t['ours']:.2f}x)")
+    print(kernels_report.report(data, str(args.out)))
 
 
 if __name__ == "__main__":
