@@ -237,7 +237,7 @@ def zero_subscale(codebook: str, sb: np.ndarray, j: int) -> None:
 def weights(codebook: str, n: int, kb: int, seed: int, kind: str = "gaussian") -> np.ndarray:
     """GGUF bytes: `gaussian` = quantize(N(0,1)); `bytes` = random codes with random finite fp16 d (and m).
     Super-block formats also: `special` = d and dmin from SPECIAL_FP16, some sub-block scales 0, Q6_K halves
-    of opposite signs; `corrupt` = as special, with inf and NaN among the fp16 values."""
+    of opposite signs; `corrupt` = as special, with inf and NaN among the fp16 values (a NaN d first, an inf d last)."""
     rng = np.random.default_rng(seed)
     if kind == "gaussian":
         return quantize(codebook, rng.standard_normal((n, kb * 32)).astype(np.float32))
@@ -245,8 +245,10 @@ def weights(codebook: str, n: int, kb: int, seed: int, kind: str = "gaussian") -
         size = SUPER_BYTES[codebook]
         blocks = rng.integers(0, 256, size=(n, kb // 8, size), dtype=np.uint8)
         pool = SPECIAL_FP16 + (CORRUPT_FP16 if kind == "corrupt" else ())
-        for off in SUPER_SCALES[codebook]:
+        for i, off in enumerate(SUPER_SCALES[codebook]):
             values = finite_scale_bits(rng, (n, kb // 8)) if kind == "bytes" else rng.choice(pool, (n, kb // 8))
+            if kind == "corrupt" and i == 0:  # a NaN and an inf d in every draw, not only in most
+                values.flat[0], values.flat[-1] = 0x7E00, 0x7C00
             blocks[:, :, off : off + 2] = values.astype("<u2")[..., None].view(np.uint8).reshape(n, kb // 8, 2)
         if kind != "bytes":
             if codebook == "Q6_K":  # halves of opposite signs in about half the blocks
