@@ -103,19 +103,32 @@ def compile_parallel(kernel_names: list[str], arch: str = "sm_90", text: str | N
     return list({r.name: r for b in builds for r in b.resources}.values())
 
 
+def _arch(text: str) -> str:
+    import argparse
+
+    if not re.fullmatch(r"sm_\d+[a-z]?", text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not an architecture such as sm_90")
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
     from gemv_dispatch.kernels.registry import instantiations
 
     parser = argparse.ArgumentParser(prog="python -m gemv_dispatch.kernels.ptxas", description=__doc__)
-    parser.add_argument("--arch", default="sm_90", help="GPU architecture to compile for (default sm_90)")
+    parser.add_argument("--arch", default="sm_90", type=_arch, help="GPU architecture to compile for (default sm_90)")
     args = parser.parse_args(argv)
     if shutil.which("nvcc") is None:
         print("error: nvcc is not on PATH (the CUDA toolkit)", file=sys.stderr)
         return 3
     names = sorted({name for _, name in instantiations()})
-    report = compile_parallel(names, args.arch)
+    try:
+        report = compile_parallel(names, args.arch)
+    except RuntimeError as failed:  # nvcc's own error, e.g. an architecture it does not know
+        last = [line for line in str(failed).splitlines() if line.strip()][-1]
+        print(f"error: nvcc failed for {args.arch}: {last}", file=sys.stderr)
+        return 1
     if offenders := [r for r in report if not r.spill_free]:
         print("\n".join(r.describe() for r in offenders), file=sys.stderr)
         print(f"error: {len(offenders)} of {len(report)} kernels spill ({args.arch})", file=sys.stderr)

@@ -98,6 +98,28 @@ def test_another_source_compiles_and_its_stack_frame_is_caught():
     assert "stack frame" in by_name["indexed_local"].describe()
 
 
+def test_the_spill_check_command_reports_user_and_environment_errors(monkeypatch, capsys):
+    """python -m gemv_dispatch.kernels.ptxas: a malformed --arch is a user mistake (exit 2), no nvcc an environment
+    problem (exit 3), each in one line."""
+    from gemv_dispatch.kernels import ptxas
+
+    with pytest.raises(SystemExit) as bad:
+        ptxas.main(["--arch", "90"])
+    assert bad.value.code == 2 and "not an architecture" in capsys.readouterr().err
+    monkeypatch.setattr(ptxas.shutil, "which", lambda name: None)
+    assert ptxas.main([]) == 3
+    assert capsys.readouterr().err.strip() == "error: nvcc is not on PATH (the CUDA toolkit)"
+
+
+@needs_nvcc
+def test_the_spill_check_command_names_an_architecture_nvcc_refuses(capsys):
+    from gemv_dispatch.kernels import ptxas
+
+    assert ptxas.main(["--arch", "sm_10"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: nvcc failed for sm_10:") and len(err.splitlines()) == 1
+
+
 def test_report_parser_names_both_engines():
     assert source_name("_Z8gemv_mmaILi5ELi2ELi2ELb1EEvPKjS1_PKtS3_PKiPKfS5_iiiiPf") == "gemv_mma<5, 2, 2, true>"
     assert source_name("_Z12gemv_partialILi3ELi2ELi8ELb0EEvPKj") == "gemv_partial<3, 2, 8, false>"
