@@ -58,7 +58,7 @@ def targets(data: dict) -> list[tuple[str, str, bool]]:
         f"; in brackets the time above bytes/ceiling and above the one-cold-word floor ({floor['cold_word']:.2f} µs)"
         if floor else ""), "; ".join(
         f"{r['n']}×{r['k']} {r['us']:.2f} µs (+{r['us'] - r['ceiling_us']:.2f}"
-        + (f", +{r['above_floor_us']:.2f}" if floor else "") + ")" for r in small),
+        + (f", +{r['us'] - floor['cold_word']:.2f}" if floor else "") + ")" for r in small),
         all(r["us"] - r["ceiling_us"] <= 1.5 for r in small)))
     e2e = {name: t["cublas_fp16"] / t["ours"] for name, t in data["end_to_end_us"].items() if name.endswith("M=1")}
     found.append(("end-to-end decode, M = 1, ≥ 2.5× cuBLAS fp16",

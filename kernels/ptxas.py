@@ -8,6 +8,7 @@ cannot be certified.
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import shutil
@@ -104,16 +105,12 @@ def compile_parallel(kernel_names: list[str], arch: str = "sm_90", text: str | N
 
 
 def _arch(text: str) -> str:
-    import argparse
-
     if not re.fullmatch(r"sm_\d+[a-z]?", text):
         raise argparse.ArgumentTypeError(f"{text!r} is not an architecture such as sm_90")
     return text
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
-
     from gemv_dispatch.kernels.registry import instantiations
 
     parser = argparse.ArgumentParser(prog="python -m gemv_dispatch.kernels.ptxas", description=__doc__)

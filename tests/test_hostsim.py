@@ -108,21 +108,31 @@ def test_kpar_candidates_share_one_workspace(sim):
             assert_same_bits(sim.gemv(cand, packed, qa, POISON, ws), expected[cand.split(K)], cand.id)
 
 
+def check_candidates(sim, codebook: str, n: int, k: int, x: np.ndarray, ms: tuple[int, ...], value: int,
+                     chosen=lambda cand: True) -> dict[int, list]:
+    """Gaussian weights of (N, K) from seed `value`; every valid `chosen` candidate at each M of `ms` gives the
+    emulator's bytes for x[:M]. Returns the candidates run, by M."""
+    packed = pack(codebook, weights(codebook, n, k // BLOCK, value, "gaussian"), n, k)
+    ran = {}
+    with np.errstate(all="ignore"):
+        expected = emulated(packed, x)
+        for m in ms:
+            qa = emulate.quantize_activations(x[:m])
+            ran[m] = [c for c in CANDIDATES if c.valid(m, n, k) and chosen(c)]
+            for cand in ran[m]:
+                got = sim.gemv(cand, packed, qa, POISON)
+                assert_same_bits(got, expected[cand.split(k)][:m], f"{codebook} {cand.id} N={n} K={k} M={m}")
+    return ran
+
+
 @pytest.mark.parametrize("codebook", [c for c in CODEBOOKS if c not in SUPERBLOCK])
 def test_legacy_formats_on_an_odd_block_count(sim, codebook):
     """KB = 33 (legacy formats only; super-blocks need KB % 8 == 0): odd partition widths, ring chunks cut short,
     N = 40 (one partial tile group per CTA)."""
     n, k = 40, 33 * BLOCK
     value = fresh_seed()
-    packed = pack(codebook, weights(codebook, n, k // BLOCK, value, "gaussian"), n, k)
     x = np.ascontiguousarray(activations(max(M_SET), np.random.default_rng(value))[:, :k])
-    with np.errstate(all="ignore"):
-        expected = emulated(packed, x)
-        for m in (1, 5, 16, 31):
-            qa = emulate.quantize_activations(x[:m])
-            for cand in (c for c in CANDIDATES if c.valid(m, n, k)):
-                got = sim.gemv(cand, packed, qa, POISON)
-                assert_same_bits(got, expected[cand.split(k)][:m], f"{codebook} {cand.id} M={m}")
+    check_candidates(sim, codebook, n, k, x, (1, 5, 16, 31), value)
 
 
 @pytest.mark.parametrize("codebook", ["Q4_0", "Q6_K"])
@@ -132,17 +142,9 @@ def test_kpar_folds_one_column_at_a_time_where_4_does_not_divide_n(sim, codebook
     kpar candidates of 1 and 2 outputs per thread), the last CTA column range cut short."""
     assert n % 4
     value = fresh_seed()
-    packed = pack(codebook, weights(codebook, n, K // BLOCK, value, "gaussian"), n, K)
     x = activations(max(M_SET), np.random.default_rng(value))
-    with np.errstate(all="ignore"):
-        expected = emulated(packed, x)
-        for m in (1, 5):
-            qa = emulate.quantize_activations(x[:m])
-            kpar = [c for c in CANDIDATES if c.grid_split and c.valid(m, n, K)]
-            assert {c.cpt for c in kpar} == ({1} if n % 2 else {1, 2})
-            for cand in kpar:
-                got = sim.gemv(cand, packed, qa, POISON)
-                assert_same_bits(got, expected[cand.split(K)][:m], f"{codebook} {cand.id} N={n} M={m}")
+    ran = check_candidates(sim, codebook, n, K, x, (1, 5), value, lambda c: c.grid_split)
+    assert all({c.cpt for c in kpar} == ({1} if n % 2 else {1, 2}) for kpar in ran.values())
 
 
 @pytest.mark.parametrize("codebook", ["Q4_0", "Q8_0", "Q4_K"])
@@ -151,17 +153,10 @@ def test_up_to_64_partitions(sim, codebook):
     takes (FOLD_AHEAD = 8 per thread), direct into up to 16 (the tests above reach 8); M = 31: several tiles too."""
     k = 2048
     value = fresh_seed()
-    packed = pack(codebook, weights(codebook, N, k // BLOCK, value, "gaussian"), N, k)
     x = np.random.default_rng(value).standard_normal((31, k)).astype(np.float32)
-    expected = emulated(packed, x)
-    for m in (1, 16, 31):
-        qa = emulate.quantize_activations(x[:m])
-        valid_here = [c for c in CANDIDATES if c.valid(m, N, k)]
-        assert {c.split(k) for c in valid_here if c.family == "kpar"} >= {16, 32, 64}
-        assert 16 in {c.split(k) for c in valid_here if c.family == "direct"}
-        for cand in valid_here:
-            got = sim.gemv(cand, packed, qa, POISON)
-            assert_same_bits(got, expected[cand.split(k)][:m], f"{codebook} {cand.id} M={m}")
+    for run in check_candidates(sim, codebook, N, k, x, (1, 16, 31), value).values():
+        assert {c.split(k) for c in run if c.family == "kpar"} >= {16, 32, 64}
+        assert 16 in {c.split(k) for c in run if c.family == "direct"}
 
 
 def test_activation_kernel_equals_the_emulator(sim):
