@@ -7,6 +7,8 @@
 # included) so that the tarball is written inside the device call's limit: the cells finished by then come
 # back and a rerun resumes. Run nothing else in the same call unless SECONDS leaves room for it (a call killed
 # at its limit returns only what already lies under $OUT). ROOT (default corpus) -> $OUT/ROOT.tgz.
+# The tarball is the whole ROOT: replace the GPU folder with it (`rm -rf corpus/nvidia-h200; tar xzf corpus.tgz`), as a
+# resumed sweep compacts the earlier call's shards and an old shard left beside the new manifest refuses the corpus.
 set -uo pipefail
 source bench/device_env.sh
 codebooks=${1:?codebooks, e.g. Q4_0,Q8_0,Q4_1 or all}
