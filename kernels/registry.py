@@ -147,9 +147,13 @@ class Candidate:
 def _build() -> tuple[Candidate, ...]:
     # wide: S = 1, tiles along N only; made for large N.
     wide = [Candidate("wide", 1, t, c) for t, c in ((128, 1), (256, 1), (128, 2), (64, 4))]
-    # direct: S partitions inside the CTA; made for mid-size N, one launch.
+    # direct: S partitions inside the CTA; made for mid-size N, one launch. The narrow CTAs of 8 and 16 columns
+    # by 16-64 partitions spread a small matrix over every SM in one launch with no workspace.
     direct = [
-        Candidate("direct", s, t, 1) for t in (32, 64) for s in (2, 4, 8, 16) if t * s <= MAX_CTA_THREADS
+        Candidate("direct", s, t, 1)
+        for t, splits in ((8, (16, 32, 64)), (16, (16, 32, 64)), (32, (2, 4, 8, 16)), (64, (2, 4, 8, 16)))
+        for s in splits
+        if t * s <= MAX_CTA_THREADS
     ]
     # kpar: S partitions across CTAs, folded by the last CTA of each column range; made for small N with long K.
     kpar = [Candidate("kpar", s, t, c) for s in (2, 4, 8, 16, 32, 64) for t, c in ((128, 1), (64, 2))]

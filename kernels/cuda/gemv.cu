@@ -1,9 +1,5 @@
 // Quantized GEMV candidates (docs/contract.md §1-3), one source for every family and codebook.
 //
-// STAGED: the next version of kernels/cuda/gemv.cu, with the super-block codebooks (Q4_K, Q5_K, Q6_K,
-// IQ4_XS). It replaces that file once the GPU has checked it (bench/next/README.md): until then the kernel
-// digest, the corpus and the certified table stay those of the registered source.
-//
 // Two engines compute the per-block integer dot products; the threads of K partition p walk blocks
 // [p*w, min(KB,(p+1)*w)):
 //   gemv_partial<CB, CPT, MT, GRID_SPLIT>  dp4a, a thread owns CPT outputs and MT rows
@@ -308,9 +304,10 @@ __device__ __forceinline__ int ticket_words(int N) { return ((N + 7) / 8 + 3) / 
 // kpar's fold, in the kernel: every CTA has written its partition's partials of the columns
 // [col_begin, col_begin + cols) to the workspace; the one that draws the last ticket of its column range (an
 // integer counter: no float atomics) folds y = ((0 + acc_0) + acc_1) + ... in ascending p, the contract's order,
-// and resets the counter for the next launch. The fold is the launch's serial tail, so it keeps many loads in
-// flight: 4 adjacent columns per 16-byte load where N allows, FOLD_AHEAD partitions loaded before their adds.
-constexpr int FOLD_AHEAD = 8;
+// and resets the counter for the next launch. The fold is the launch's serial tail, so it keeps loads in flight,
+// but its registers are the kernel's and cost the main loop its occupancy (bench/NOTES.md, versions 11-12): each
+// engine gives it a budget of FLOATS partials in flight per thread, loaded W adjacent columns at a time.
+constexpr int FOLD_AHEAD_MAX = 8;  // partitions loaded before their adds
 #ifndef GEMV_HOSTSIM
 // Written by other SMs: read through L2, never L1.
 template <int W>
@@ -318,6 +315,9 @@ __device__ __forceinline__ void load_l2(float (&v)[W], const float* p) {
     if constexpr (W == 4) {
         const float4 f = __ldcg(reinterpret_cast<const float4*>(p));
         v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
+    } else if constexpr (W == 2) {
+        const float2 f = __ldcg(reinterpret_cast<const float2*>(p));
+        v[0] = f.x, v[1] = f.y;
     } else {
         v[0] = __ldcg(p);
     }
@@ -334,25 +334,35 @@ template <int W>
 inline void load_l2(float (&v)[W], const float* p) { for (int w = 0; w < W; ++w) v[w] = p[w]; }
 inline unsigned draw_ticket(unsigned* ticket) { return atomicAdd(ticket, 1u); }
 #endif
-template <int W>
+
+// Called by every thread of each of the S CTAs of a column range once its partials are written: true, in every
+// thread, for the one CTA that drew the range's last ticket. The barrier's vote tells the threads (no shared
+// memory: the ring uses it all).
+__device__ __forceinline__ bool last_of_range(unsigned* ticket, int S) {
+    __syncthreads();
+    return __syncthreads_or(threadIdx.x + threadIdx.y == 0 && draw_ticket(ticket) == (unsigned)(S - 1));
+}
+
+template <int W, int FLOATS>
 __device__ __forceinline__ void fold_columns(const float* __restrict__ partials, float* __restrict__ out, int S,
                                              int M, int N, int col_begin, int cols, int tid, int threads) {
+    constexpr int AHEAD = FLOATS / W >= FOLD_AHEAD_MAX ? FOLD_AHEAD_MAX : (FLOATS / W > 0 ? FLOATS / W : 1);
     const int groups = cols / W;
     const u64 plane = (u64)M * N;
     for (int i = tid; i < M * groups; i += threads) {
         const int c = col_begin + i % groups * W;
-        if (c >= N) continue;  // W = 4 only where 4 | N, so c + 3 < N too
+        if (c >= N) continue;  // W divides N, so c + W - 1 < N too
         const u64 at = (u64)(i / groups) * N + c;
         float y[W];
 #pragma unroll
         for (int w = 0; w < W; ++w) y[w] = 0.0f;
-        for (int q0 = 0; q0 < S; q0 += FOLD_AHEAD) {
-            float v[FOLD_AHEAD][W];
+        for (int q0 = 0; q0 < S; q0 += AHEAD) {
+            float v[AHEAD][W];
 #pragma unroll
-            for (int j = 0; j < FOLD_AHEAD; ++j)
+            for (int j = 0; j < AHEAD; ++j)
                 if (q0 + j < S) load_l2<W>(v[j], partials + (q0 + j) * plane + at);
 #pragma unroll
-            for (int j = 0; j < FOLD_AHEAD; ++j)
+            for (int j = 0; j < AHEAD; ++j)
                 if (q0 + j < S)
 #pragma unroll
                     for (int w = 0; w < W; ++w) y[w] = add_rn(y[w], v[j][w]);
@@ -361,22 +371,28 @@ __device__ __forceinline__ void fold_columns(const float* __restrict__ partials,
         for (int w = 0; w < W; ++w) out[at + w] = y[w];
     }
 }
-// cols and col_begin are multiples of 4 (every candidate's CTA covers 32 or more columns).
+
+// The fold of the last CTA: W = 4, 2 or 1 adjacent columns per load, the widest that divides N and still gives
+// every thread a group; FLOATS / W partitions ahead (at most FOLD_AHEAD_MAX). cols and col_begin are multiples
+// of 4 (every candidate's CTA covers 32 or more columns).
+template <int FLOATS>
 __device__ __forceinline__ void fold_last(float* __restrict__ ws, float* __restrict__ out, int S, int M, int N,
                                           int col_begin, int cols) {
     unsigned* tickets = reinterpret_cast<unsigned*>(ws);
+    if (!last_of_range(tickets + blockIdx.x, S)) return;
     const float* partials = ws + ticket_words(N);
     const int tid = threadIdx.x + blockDim.x * threadIdx.y, threads = blockDim.x * blockDim.y;
-    __syncthreads();
-    // The barrier's vote tells every thread (no shared memory: the ring uses it all).
-    const bool drew_last = tid == 0 && draw_ticket(tickets + blockIdx.x) == (unsigned)(S - 1);
-    if (!__syncthreads_or(drew_last)) return;
-    if (N % 4 == 0)
-        fold_columns<4>(partials, out, S, M, N, col_begin, cols, tid, threads);
+    if (N % 4 == 0 && M * cols >= 4 * threads)
+        fold_columns<4, FLOATS>(partials, out, S, M, N, col_begin, cols, tid, threads);
+    else if (N % 2 == 0 && M * cols >= 2 * threads)
+        fold_columns<2, FLOATS>(partials, out, S, M, N, col_begin, cols, tid, threads);
     else
-        fold_columns<1>(partials, out, S, M, N, col_begin, cols, tid, threads);
+        fold_columns<1, FLOATS>(partials, out, S, M, N, col_begin, cols, tid, threads);
     if (tid == 0) tickets[blockIdx.x] = 0u;  // every CTA of the range has drawn its ticket
 }
+// Fold budgets per engine (floats in flight per folding thread): the dp4a and register engines hold their main
+// loop's loads in registers, the ring holds its in shared memory.
+constexpr int FOLD_FLOATS_DP4A = 8, FOLD_FLOATS_REGISTERS = 8, FOLD_FLOATS_RING = 32;
 
 // One column's weights for one group of blocks (dp4a engine): the group's payload rows, its high bits, and the
 // scales of its blocks (legacy: read from the planes; super-block formats: derived per block).
@@ -445,6 +461,19 @@ struct ColumnGroup {
     }
 };
 
+// One activation row of one block (block-major: at = b * M + m): its 32 int8 values, d_a and the integer sum.
+struct ActivationRow {
+    int4 q0, q1;
+    float d_a;
+    int s_a;
+
+    static __device__ __forceinline__ ActivationRow load(const int* __restrict__ qa, const float* __restrict__ da,
+                                                         const int* __restrict__ sa, u64 at) {
+        return ActivationRow{__ldg(reinterpret_cast<const int4*>(qa) + 2 * at),
+                             __ldg(reinterpret_cast<const int4*>(qa) + 2 * at + 1), __ldg(da + at), __ldg(sa + at)};
+    }
+};
+
 // 512 threads at most (direct: threads x S <= 512) caps registers at 128 so every launch fits an SM.
 template <int CB, int CPT, int MT, bool GRID_SPLIT>
 __global__ void gemv_partial(GEMV_PARAMS) {
@@ -453,6 +482,10 @@ __global__ void gemv_partial(GEMV_PARAMS) {
     // Loads of several blocks in flight; fewer when the tile already holds many registers. A group of the
     // paired formats already loads 2 (Q6_K: 4) blocks.
     constexpr int UNROLL = G == 4 ? 1 : (MT * CC <= 2 ? 4 / G : (MT * CC <= 4 ? 2 / G : 1));
+    // Legacy formats: the loads of UNROLL blocks are issued before the first is used (bench/NOTES.md, version 13:
+    // a compiler-unrolled loop branched before each block's loads, one DRAM round trip per block).
+    constexpr int BATCH = T::SUPER ? 1 : UNROLL;
+    constexpr bool ROW_AHEAD = MT == 1 && G == 1;  // one row, one block per group: its activations ride along
     DYNAMIC_SHARED(float, partials);  // direct family: [S-1][MT][blockDim.x*CPT]
     const Planes P{payload, high, scale, minv, sub};
 
@@ -475,40 +508,51 @@ __global__ void gemv_partial(GEMV_PARAMS) {
         if (live) {
 #pragma unroll
           for (int c0 = 0; c0 < CPT; c0 += CC) {  // columns [c0, c0 + CC) walk K together
-            ColumnGroup<CB> col[CC];
-#pragma unroll(UNROLL)
-            for (int grp = g_begin; grp < g_end; ++grp) {
-                const bool fresh = grp == g_begin || (grp * G) % T::SPAN == 0;
+            // Super-block fields carry from group to group (reloaded per SPAN), so those formats walk one group
+            // per step; the legacy formats load a batch of BATCH blocks before using any.
+            ColumnGroup<CB> col[BATCH][CC];
+            ActivationRow act[ROW_AHEAD ? BATCH : 1];
+#pragma unroll(BATCH == 1 ? UNROLL : 1)
+            for (int g0 = g_begin; g0 < g_end; g0 += BATCH) {
 #pragma unroll
-                for (int c = 0; c < CC; ++c) col[c].load(P, grp, col0 + c0 + c, N, fresh);
+                for (int i = 0; i < BATCH; ++i) {
+                    const int grp = min(g0 + i, g_end - 1);  // past the end: the last block again (an L1 hit)
+                    const bool fresh = grp == g_begin || (grp * G) % T::SPAN == 0;
 #pragma unroll
-                for (int u = 0; u < G; ++u) {
-                    const int b = grp * G + u;
-                    if (G > 1 && (b < b_begin || b >= b_end)) continue;  // uniform: the group's edge
-                    // Decode each weight block once per row tile.
-                    int v[CC][8];
-                    float dw[CC][H], mw[CC];
+                    for (int c = 0; c < CC; ++c) col[i][c].load(P, grp, col0 + c0 + c, N, fresh);
+                    if (ROW_AHEAD) act[i] = ActivationRow::load(qa, da, sa, (u64)grp * M + m0);
+                }
 #pragma unroll
-                    for (int c = 0; c < CC; ++c) col[c].block(u, b, v[c], dw[c], mw[c]);
+                for (int i = 0; i < BATCH; ++i) {
+                    const int grp = g0 + i;
+                    if (BATCH > 1 && grp >= g_end) break;  // uniform
 #pragma unroll
-                    for (int r = 0; r < MT; ++r) {
-                        if (r < rows) {
-                            const u64 ab = (u64)b * M + m0 + r;
-                            const int4 q0 = __ldg(reinterpret_cast<const int4*>(qa) + 2 * ab);
-                            const int4 q1 = __ldg(reinterpret_cast<const int4*>(qa) + 2 * ab + 1);
-                            const RowBlock<CB> row = RowBlock<CB>::of(__ldg(da + ab), __ldg(sa + ab));
+                    for (int u = 0; u < G; ++u) {
+                        const int b = grp * G + u;
+                        if (G > 1 && (b < b_begin || b >= b_end)) continue;  // uniform: the group's edge
+                        // Decode each weight block once per row tile.
+                        int v[CC][8];
+                        float dw[CC][H], mw[CC];
 #pragma unroll
-                            for (int c = 0; c < CC; ++c) {
-                                int s[H];
-                                s[0] = __dp4a(v[c][0], q0.x, 0);
-                                s[0] = __dp4a(v[c][1], q0.y, s[0]);
-                                s[0] = __dp4a(v[c][2], q0.z, s[0]);
-                                s[0] = __dp4a(v[c][3], q0.w, s[0]);
-                                s[H - 1] = __dp4a(v[c][4], q1.x, H == 2 ? 0 : s[0]);  // Q6_K: the high half apart
-                                s[H - 1] = __dp4a(v[c][5], q1.y, s[H - 1]);
-                                s[H - 1] = __dp4a(v[c][6], q1.z, s[H - 1]);
-                                s[H - 1] = __dp4a(v[c][7], q1.w, s[H - 1]);
-                                acc[r][c0 + c] = add_rn(acc[r][c0 + c], row.term(s, dw[c], mw[c]));
+                        for (int c = 0; c < CC; ++c) col[i][c].block(u, b, v[c], dw[c], mw[c]);
+#pragma unroll
+                        for (int r = 0; r < MT; ++r) {
+                            if (r < rows) {
+                                const ActivationRow x = ROW_AHEAD ? act[i] : ActivationRow::load(qa, da, sa, (u64)b * M + m0 + r);
+                                const RowBlock<CB> row = RowBlock<CB>::of(x.d_a, x.s_a);
+#pragma unroll
+                                for (int c = 0; c < CC; ++c) {
+                                    int s[H];
+                                    s[0] = __dp4a(v[c][0], x.q0.x, 0);
+                                    s[0] = __dp4a(v[c][1], x.q0.y, s[0]);
+                                    s[0] = __dp4a(v[c][2], x.q0.z, s[0]);
+                                    s[0] = __dp4a(v[c][3], x.q0.w, s[0]);
+                                    s[H - 1] = __dp4a(v[c][4], x.q1.x, H == 2 ? 0 : s[0]);  // Q6_K: the high half apart
+                                    s[H - 1] = __dp4a(v[c][5], x.q1.y, s[H - 1]);
+                                    s[H - 1] = __dp4a(v[c][6], x.q1.z, s[H - 1]);
+                                    s[H - 1] = __dp4a(v[c][7], x.q1.w, s[H - 1]);
+                                    acc[r][c0 + c] = add_rn(acc[r][c0 + c], row.term(s, dw[c], mw[c]));
+                                }
                             }
                         }
                     }
@@ -550,7 +594,8 @@ __global__ void gemv_partial(GEMV_PARAMS) {
             if (S > 1) __syncthreads();  // the partials are reused by the next row tile
         }
     }
-    if constexpr (GRID_SPLIT) fold_last(ws, out, S, M, N, blockIdx.x * blockDim.x * CPT, blockDim.x * CPT);
+    if constexpr (GRID_SPLIT)
+        fold_last<FOLD_FLOATS_DP4A>(ws, out, S, M, N, blockIdx.x * blockDim.x * CPT, blockDim.x * CPT);
 }
 
 // Tensor-core engine, a launch choice of wide (S = 1) and kpar (GRID_SPLIT): mma.sync m16n8k32 s8 yields a
@@ -819,7 +864,9 @@ inline void cp_async_wait() {}
 constexpr int RING_THREADS = 128;  // the registry's mma candidates' CTA
 constexpr int RING_STAGES = 3;
 constexpr int ROW_WORDS = 12;  // a 32-byte row + 16 bytes of padding: rows g = 0..7 land on distinct banks
-constexpr int RING_SHARED = 48 * 1024;  // static shared memory per CTA
+// Static shared memory per CTA: kpar's CTAs are many and short (S per column range), so its ring is 32 KB (7 CTAs
+// per SM instead of 4); wide keeps 48 KB, whose deeper chunks it measured faster (bench/NOTES.md, version 12).
+constexpr int ring_shared(bool grid_split) { return (grid_split ? 32 : 48) * 1024; }
 
 // One chunk's layout in shared memory, in 32-bit words (every part a multiple of 4 words: 16-byte aligned).
 template <int CB, int NT, int MTILES, int KC_>
@@ -833,18 +880,19 @@ struct Chunk {
     static constexpr int d = q + Q, s = d + D, words = s + S;
 };
 
-// Blocks per chunk: 8, else 4, else 2, whichever ring fits the static shared-memory limit.
-template <int CB, int NT, int MTILES>
+// Blocks per chunk: 8, else 4, else 2, whichever ring fits the family's shared memory.
+template <int CB, int NT, int MTILES, bool GRID_SPLIT>
 struct RingShape {
-    static constexpr int KC = RING_STAGES * Chunk<CB, NT, MTILES, 8>::words * 4 <= RING_SHARED ? 8
-                            : RING_STAGES * Chunk<CB, NT, MTILES, 4>::words * 4 <= RING_SHARED ? 4 : 2;
+    static constexpr int LIMIT = ring_shared(GRID_SPLIT);
+    static constexpr int KC = RING_STAGES * Chunk<CB, NT, MTILES, 8>::words * 4 <= LIMIT ? 8
+                            : RING_STAGES * Chunk<CB, NT, MTILES, 4>::words * 4 <= LIMIT ? 4 : 2;
     typedef Chunk<CB, NT, MTILES, KC> C;
 };
 
 template <int CB, int NT, int MTILES, bool GRID_SPLIT>
 __device__ __forceinline__ void mma_ring(GEMV_PARAMS) {
     typedef Traits<CB> T;
-    typedef typename RingShape<CB, NT, MTILES>::C C;
+    typedef typename RingShape<CB, NT, MTILES, GRID_SPLIT>::C C;
     constexpr int KC = C::KC, OUT = C::OUT, ROWS = C::ROWS, ST = RING_STAGES, PIECES = T::WORDS / 4;
     __shared__ __align__(16) u32 ring[ST][C::words];
 
@@ -984,7 +1032,8 @@ __global__ void __launch_bounds__(RING_THREADS) gemv_mma(GEMV_PARAMS) {
                                                   ws);
     if constexpr (GRID_SPLIT) {
         const int cols = blockDim.x / 32 * 8 * NT;
-        fold_last(ws, out, gridDim.y, M, N, blockIdx.x * cols, cols);
+        fold_last<Traits<CB>::RING ? FOLD_FLOATS_RING : FOLD_FLOATS_REGISTERS>(ws, out, gridDim.y, M, N, blockIdx.x * cols,
+                                                                              cols);
     }
 }
 
