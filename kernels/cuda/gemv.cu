@@ -346,7 +346,8 @@ __device__ __forceinline__ bool last_of_range(unsigned* ticket, int S) {
 template <int W, int FLOATS>
 __device__ __forceinline__ void fold_columns(const float* __restrict__ partials, float* __restrict__ out, int S,
                                              int M, int N, int col_begin, int cols, int tid, int threads) {
-    constexpr int AHEAD = FLOATS / W >= FOLD_AHEAD_MAX ? FOLD_AHEAD_MAX : (FLOATS / W > 0 ? FLOATS / W : 1);
+    static_assert(FLOATS >= W, "a fold budget holds at least one load of W columns");
+    constexpr int AHEAD = FLOATS / W < FOLD_AHEAD_MAX ? FLOATS / W : FOLD_AHEAD_MAX;
     const int groups = cols / W;
     const u64 plane = (u64)M * N;
     for (int i = tid; i < M * groups; i += threads) {
@@ -392,7 +393,7 @@ __device__ __forceinline__ void fold_last(float* __restrict__ ws, float* __restr
 }
 // Fold budgets per engine (floats in flight per folding thread): the dp4a and register engines hold their main
 // loop's loads in registers, the ring holds its in shared memory.
-constexpr int FOLD_FLOATS_DP4A = 8, FOLD_FLOATS_REGISTERS = 8, FOLD_FLOATS_RING = 32;
+constexpr int FOLD_FLOATS_DP4A = 8, FOLD_FLOATS_REGISTERS = 16, FOLD_FLOATS_RING = 32;
 
 // One column's weights for one group of blocks (dp4a engine): the group's payload rows, its high bits, and the
 // scales of its blocks (legacy: read from the planes; super-block formats: derived per block).
@@ -439,6 +440,14 @@ struct ColumnGroup {
         }
     }
 
+    // Super-block formats: take the fields a group carries from the first group of its SPAN.
+    __device__ __forceinline__ void share(const ColumnGroup& first) {
+        d = first.d, dmin = first.dmin, sub = first.sub;
+        if (CB == Q5_K)
+#pragma unroll
+            for (int i = 0; i < QH; ++i) qh[i] = first.qh[i];
+    }
+
     // Block u of the group (block b of the matrix): int8 words v[k] = elements 4k..4k+3, its scales and min.
     __device__ __forceinline__ void block(int u, int b, int (&v)[8], float (&d_w)[T::HALVES], float& m_w) const {
 #pragma unroll
@@ -482,9 +491,10 @@ __global__ void gemv_partial(GEMV_PARAMS) {
     // Loads of several blocks in flight; fewer when the tile already holds many registers. A group of the
     // paired formats already loads 2 (Q6_K: 4) blocks.
     constexpr int UNROLL = G == 4 ? 1 : (MT * CC <= 2 ? 4 / G : (MT * CC <= 4 ? 2 / G : 1));
-    // Legacy formats: the loads of UNROLL blocks are issued before the first is used (bench/NOTES.md, version 13:
-    // a compiler-unrolled loop branched before each block's loads, one DRAM round trip per block).
-    constexpr int BATCH = T::SUPER ? 1 : UNROLL;
+    // The loads of a batch of UNROLL groups are issued before the first is used (bench/NOTES.md, versions 13 and 15:
+    // a compiler-unrolled loop branched before each group's loads, one DRAM round trip per group). Q5_K batches
+    // only where a thread walks one column at a time (with two, their 8 qh words each spill).
+    constexpr int BATCH = CB == Q5_K && CC > 1 ? 1 : UNROLL;
     constexpr bool ROW_AHEAD = MT == 1 && G == 1;  // one row, one block per group: its activations ride along
     DYNAMIC_SHARED(float, partials);  // direct family: [S-1][MT][blockDim.x*CPT]
     const Planes P{payload, high, scale, minv, sub};
@@ -496,6 +506,8 @@ __global__ void gemv_partial(GEMV_PARAMS) {
     const int b_begin = p * width;
     const int b_end = min(KB, b_begin + width);
     const int g_begin = b_begin / G, g_end = (b_end + G - 1) / G;
+    // A group whose super-block fields are (re)loaded: the partition's first, and the first of each SPAN.
+    auto starts_span = [&](int grp) { return grp == g_begin || (grp * G) % T::SPAN == 0; };
 
     for (int m0 = 0; m0 < M; m0 += MT) {
         const int rows = min(MT, M - m0);
@@ -508,24 +520,29 @@ __global__ void gemv_partial(GEMV_PARAMS) {
         if (live) {
 #pragma unroll
           for (int c0 = 0; c0 < CPT; c0 += CC) {  // columns [c0, c0 + CC) walk K together
-            // Super-block fields carry from group to group (reloaded per SPAN), so those formats walk one group
-            // per step; the legacy formats load a batch of BATCH blocks before using any.
+            // The loads of a batch of BATCH groups are issued before any is used. Super-block fields are loaded
+            // only into the slot of a SPAN's first group (`fresh`): with one slot they stay in place, with several
+            // `carry` takes them at use and hands them to the slots that follow.
             ColumnGroup<CB> col[BATCH][CC];
+            ColumnGroup<CB> carry[T::SUPER && BATCH > 1 ? CC : 1];
             ActivationRow act[ROW_AHEAD ? BATCH : 1];
 #pragma unroll(BATCH == 1 ? UNROLL : 1)
             for (int g0 = g_begin; g0 < g_end; g0 += BATCH) {
 #pragma unroll
                 for (int i = 0; i < BATCH; ++i) {
                     const int grp = min(g0 + i, g_end - 1);  // past the end: the last block again (an L1 hit)
-                    const bool fresh = grp == g_begin || (grp * G) % T::SPAN == 0;
 #pragma unroll
-                    for (int c = 0; c < CC; ++c) col[i][c].load(P, grp, col0 + c0 + c, N, fresh);
+                    for (int c = 0; c < CC; ++c) col[i][c].load(P, grp, col0 + c0 + c, N, starts_span(grp));
                     if (ROW_AHEAD) act[i] = ActivationRow::load(qa, da, sa, (u64)grp * M + m0);
                 }
 #pragma unroll
                 for (int i = 0; i < BATCH; ++i) {
                     const int grp = g0 + i;
                     if (BATCH > 1 && grp >= g_end) break;  // uniform
+                    if (T::SUPER && BATCH > 1)
+#pragma unroll
+                        for (int c = 0; c < CC; ++c)
+                            starts_span(grp) ? carry[c].share(col[i][c]) : col[i][c].share(carry[c]);
 #pragma unroll
                     for (int u = 0; u < G; ++u) {
                         const int b = grp * G + u;
