@@ -260,18 +260,20 @@ template <int CB>
 struct RowBlock {
     float d_a;
     float sum_a;  // float(Σq), asymmetric codebooks
-    int bias;     // MAGIC - OFFSET·Σq: bias + Σuq = MAGIC + Σ(u - OFFSET)q, exact
+    // MAGIC - OFFSET·Σq, the initial value of every integer dot product of the row's block (the dp4a chain's first
+    // addend, the mma's C operand): bias + Σuq = MAGIC + Σ(u - OFFSET)q, exact, and no add per term.
+    int bias;
 
     static __device__ __forceinline__ RowBlock of(float d_a, int s_a) {
         return RowBlock{d_a, magic_to_float(MAGIC + s_a), MAGIC - Traits<CB>::OFFSET * s_a};
     }
 
-    // The block's term t (§1, §2) from the raw integer dot products Σuq with a weight column, one per half.
-    __device__ __forceinline__ float term(const int (&raw)[Traits<CB>::HALVES], const float (&d_w)[Traits<CB>::HALVES],
-                                          float m_w) const {
-        float t = mul_rn(mul_rn(d_a, d_w[0]), magic_to_float(bias + raw[0]));
+    // The block's term t (§1, §2) from the biased integer dot products bias + Σuq with a weight column, one per half.
+    __device__ __forceinline__ float term(const int (&biased)[Traits<CB>::HALVES],
+                                          const float (&d_w)[Traits<CB>::HALVES], float m_w) const {
+        float t = mul_rn(mul_rn(d_a, d_w[0]), magic_to_float(biased[0]));
         if (Traits<CB>::HALVES == 2)
-            t = add_rn(t, mul_rn(mul_rn(d_a, d_w[Traits<CB>::HALVES - 1]), magic_to_float(bias + raw[Traits<CB>::HALVES - 1])));
+            t = add_rn(t, mul_rn(mul_rn(d_a, d_w[Traits<CB>::HALVES - 1]), magic_to_float(biased[Traits<CB>::HALVES - 1])));
         if (Traits<CB>::ASYM) t = add_rn(t, mul_rn(mul_rn(d_a, m_w), sum_a));
         return t;
     }
@@ -493,8 +495,9 @@ __global__ void gemv_partial(GEMV_PARAMS) {
     constexpr int UNROLL = G == 4 ? 1 : (MT * CC <= 2 ? 4 / G : (MT * CC <= 4 ? 2 / G : 1));
     // The loads of a batch of UNROLL groups are issued before the first is used (bench/NOTES.md, versions 13 and 15:
     // a compiler-unrolled loop branched before each group's loads, one DRAM round trip per group). Q5_K batches
-    // only where a thread walks one column at a time (with two, their 8 qh words each spill).
-    constexpr int BATCH = CB == Q5_K && CC > 1 ? 1 : UNROLL;
+    // only where a thread walks one column at a time (with two, their 8 qh words each spill); IQ4_XS not at all
+    // (its batch measured 1.16-1.49x slower at M = 1: bench/NOTES.md, version 16).
+    constexpr int BATCH = (CB == Q5_K && CC > 1) || CB == IQ4_XS ? 1 : UNROLL;
     constexpr bool ROW_AHEAD = MT == 1 && G == 1;  // one row, one block per group: its activations ride along
     DYNAMIC_SHARED(float, partials);  // direct family: [S-1][MT][blockDim.x*CPT]
     const Planes P{payload, high, scale, minv, sub};
@@ -560,11 +563,11 @@ __global__ void gemv_partial(GEMV_PARAMS) {
 #pragma unroll
                                 for (int c = 0; c < CC; ++c) {
                                     int s[H];
-                                    s[0] = __dp4a(v[c][0], x.q0.x, 0);
+                                    s[0] = __dp4a(v[c][0], x.q0.x, row.bias);
                                     s[0] = __dp4a(v[c][1], x.q0.y, s[0]);
                                     s[0] = __dp4a(v[c][2], x.q0.z, s[0]);
                                     s[0] = __dp4a(v[c][3], x.q0.w, s[0]);
-                                    s[H - 1] = __dp4a(v[c][4], x.q1.x, H == 2 ? 0 : s[0]);  // Q6_K: the high half apart
+                                    s[H - 1] = __dp4a(v[c][4], x.q1.x, H == 2 ? row.bias : s[0]);  // Q6_K: the high half apart
                                     s[H - 1] = __dp4a(v[c][5], x.q1.y, s[H - 1]);
                                     s[H - 1] = __dp4a(v[c][6], x.q1.z, s[H - 1]);
                                     s[H - 1] = __dp4a(v[c][7], x.q1.w, s[H - 1]);
@@ -621,15 +624,18 @@ __global__ void gemv_partial(GEMV_PARAMS) {
 // fragments: lane (g, t) needs elements 4t..4t+3 and 16+4t..16+4t+3 of a block, which are the two nibble
 // halves of payload word t, and its C rows g, g+8 are the A rows whose d_a and sum_a it loads. A Q6_K block
 // takes two mmas, one per 16-element half (the other half's B register zero), for its two scales.
+// C starts at the bias of each row (rows g, g+8 of the lane: c0 and c1), so the results are biased dot products.
 #ifndef GEMV_HOSTSIM
-__device__ __forceinline__ void mma_s8(const int (&a)[4], int b0, int b1, int (&c)[4]) {
+__device__ __forceinline__ void mma_s8(const int (&a)[4], int b0, int b1, int c0, int c1, int (&c)[4]) {
     asm volatile(
-        "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%10,%10,%10};"
+        "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%10,%11,%11};"
         : "=r"(c[0]), "=r"(c[1]), "=r"(c[2]), "=r"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(0));
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(c0), "r"(c1));
 }
 #else
-inline void mma_s8(const int (&a)[4], int b0, int b1, int (&c)[4]) { hostsim::mma_m16n8k32_s8(a, b0, b1, c); }
+inline void mma_s8(const int (&a)[4], int b0, int b1, int c0, int c1, int (&c)[4]) {
+    hostsim::mma_m16n8k32_s8(a, b0, b1, c0, c1, c);
+}
 #endif
 
 // A lane's weight words for one (group, 8-output tile): word t of its B column's payload rows (Q8_0: and word
@@ -673,31 +679,37 @@ __device__ __forceinline__ TileSuper load_tile_super(const Planes& P, int b0, u6
 
 // One block's contribution to one 8-output tile of a warp, both engines: the mma (two for Q6_K's halves) of each
 // M tile with the tile's decoded B words `lo`, `hi`, then the terms of the lane's C values in the contract's
-// order. `a`, `rows`: the A fragments and row data of the lane's C rows g and g+8 of each M tile.
-template <int CB, int MTILES>
+// order. `a`, `rows`: the A fragments and row data of the lane's C rows g and g+8 of each M tile; the pass starts at
+// row m0 of M (8-row halves past M are skipped: warp-uniform). The ring passes m0 = 0 and M = the rows left, a
+// compile-time constant in its whole chunks, so a block's instructions carry no branch and interleave with the next
+// block's. BIAS_C: the mma starts from the rows' biases (no add per term); the register engine adds them after:
+// holding them across its mma took its Q8_0 kernels from 64 to 71 registers, and a build at 71 ran up to 1.3x
+// slower (bench/NOTES.md, version 16).
+template <int CB, int MTILES, bool BIAS_C>
 __device__ __forceinline__ void mma_tile(const int (&a)[MTILES][4], const RowBlock<CB> (&rows)[MTILES][2], int lo,
                                          int hi, const float (&d_w)[2][Traits<CB>::HALVES], const float (&m_w)[2],
                                          int m0, int M, float (&acc)[MTILES][4]) {
     constexpr int H = Traits<CB>::HALVES;
 #pragma unroll
     for (int i = 0; i < MTILES; ++i) {
-        if (m0 + 16 * i >= M) break;  // warp-uniform
+        if (m0 + 16 * i >= M) break;
         int c[H][4];
+        const int c0 = BIAS_C ? rows[i][0].bias : 0, c1 = BIAS_C ? rows[i][1].bias : 0;
         if (H == 2) {
-            mma_s8(a[i], lo, 0, c[0]);
-            mma_s8(a[i], 0, hi, c[H - 1]);
+            mma_s8(a[i], lo, 0, c0, c1, c[0]);
+            mma_s8(a[i], 0, hi, c0, c1, c[H - 1]);
         } else {
-            mma_s8(a[i], lo, hi, c[0]);
+            mma_s8(a[i], lo, hi, c0, c1, c[0]);
         }
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            if (h == 1 && m0 + 16 * i + 8 >= M) break;  // warp-uniform: no rows g+8
+            if (h == 1 && m0 + 16 * i + 8 >= M) break;  // no rows g+8
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
-                int raw[H];
+                int biased[H];
 #pragma unroll
-                for (int q = 0; q < H; ++q) raw[q] = c[q][2 * h + e];
-                acc[i][2 * h + e] = add_rn(acc[i][2 * h + e], rows[i][h].term(raw, d_w[e], m_w[e]));
+                for (int q = 0; q < H; ++q) biased[q] = BIAS_C ? c[q][2 * h + e] : c[q][2 * h + e] + rows[i][h].bias;
+                acc[i][2 * h + e] = add_rn(acc[i][2 * h + e], rows[i][h].term(biased, d_w[e], m_w[e]));
             }
         }
     }
@@ -843,7 +855,7 @@ __device__ __forceinline__ void mma_registers(GEMV_PARAMS) {
                                 m_w[e] = half_bits_to_float((u16)(x.mins >> (16 * e)));
                             }
                         }
-                        mma_tile<CB, MTILES>(a, rows, lo, hi, d_w, m_w, m0, M, acc[j]);
+                        mma_tile<CB, MTILES, false>(a, rows, lo, hi, d_w, m_w, m0, M, acc[j]);
                     }
                 }
             }
@@ -905,6 +917,47 @@ struct RingShape {
                             : RING_STAGES * Chunk<CB, NT, MTILES, 4>::words * 4 <= LIMIT ? 4 : 2;
     typedef Chunk<CB, NT, MTILES, KC> C;
 };
+
+// Blocks [0, cn) of a landed ring chunk for the warp's first `tiles` 8-output tiles, `left` = M minus the pass's first
+// row (rows past M are zero-filled, so computing them is harmless; mma_tile skips the float work of empty halves).
+template <int CB, int NT, int MTILES, bool GRID_SPLIT>
+__device__ __forceinline__ void ring_chunk(const u32* slot, int cn, int tiles, int left, int o_warp, int g, int t,
+                                           float (&acc)[NT][MTILES][4]) {
+    typedef Traits<CB> T;
+    typedef typename RingShape<CB, NT, MTILES, GRID_SPLIT>::C C;
+    constexpr int KC = C::KC, OUT = C::OUT, ROWS = C::ROWS;
+#pragma unroll
+    for (int u = 0; u < KC; ++u) {
+        if (u >= cn) break;  // block-uniform
+        int a[MTILES][4];
+        RowBlock<CB> rows[MTILES][2];
+#pragma unroll
+        for (int i = 0; i < MTILES; ++i)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int r = 16 * i + 8 * h + g;
+                const u32* q = slot + C::q + (u * ROWS + r) * ROW_WORDS;
+                a[i][h] = (int)q[t];
+                a[i][2 + h] = (int)q[4 + t];
+                rows[i][h] = RowBlock<CB>::of(__uint_as_float(slot[C::d + u * ROWS + r]), (int)slot[C::s + u * ROWS + r]);
+            }
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+            if (j >= tiles) break;  // warp-uniform
+            const int o = o_warp + 8 * j + g;
+            const u32* w = slot + C::pay + (u * OUT + o) * T::WORDS;
+            const u32 hb = T::HIGH ? slot[C::high + u * OUT + o] : 0u;
+            const int pair = (u * OUT + o_warp + 8 * j) / 2 + t;  // scales of outputs 2t, 2t+1 of the tile
+            const u32 scales = slot[C::scale + pair];
+            const u32 mins = T::ASYM ? slot[C::min + pair] : 0u;
+            int lo, hi;
+            decode_word<CB>(w[t], 0u, hb, t, lo, hi);
+            const float d_w[2][1] = {{half_bits_to_float(scales & 0xFFFFu)}, {half_bits_to_float(scales >> 16)}};
+            const float m_w[2] = {half_bits_to_float(mins & 0xFFFFu), half_bits_to_float(mins >> 16)};
+            mma_tile<CB, MTILES, true>(a, rows, lo, hi, d_w, m_w, 0, left, acc[j]);
+        }
+    }
+}
 
 template <int CB, int NT, int MTILES, bool GRID_SPLIT>
 __device__ __forceinline__ void mma_ring(GEMV_PARAMS) {
@@ -984,6 +1037,8 @@ __device__ __forceinline__ void mma_ring(GEMV_PARAMS) {
 
         float acc[NT][MTILES][4];
         zero(acc);
+        constexpr int ROWS_ALL = 16 * MTILES;  // the pass's rows
+        const int left = M - m0;
 #pragma unroll
         for (int c = 0; c < ST - 1; ++c) {
             if (c < chunks) issue(c);
@@ -997,38 +1052,15 @@ __device__ __forceinline__ void mma_ring(GEMV_PARAMS) {
             if (tiles == 0) continue;
             const u32* slot = ring[c % ST];
             const int cn = min(KC, b_end - b_begin - c * KC);
-#pragma unroll
-            for (int u = 0; u < KC; ++u) {
-                if (u >= cn) break;  // block-uniform
-                int a[MTILES][4];
-                RowBlock<CB> rows[MTILES][2];
-#pragma unroll
-                for (int i = 0; i < MTILES; ++i)
-#pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        const int r = 16 * i + 8 * h + g;  // zero-filled past M
-                        const u32* q = slot + C::q + (u * ROWS + r) * ROW_WORDS;
-                        a[i][h] = (int)q[t];
-                        a[i][2 + h] = (int)q[4 + t];
-                        rows[i][h] = RowBlock<CB>::of(__uint_as_float(slot[C::d + u * ROWS + r]),
-                                                      (int)slot[C::s + u * ROWS + r]);
-                    }
-#pragma unroll
-                for (int j = 0; j < NT; ++j) {
-                    if (j >= tiles) break;  // warp-uniform
-                    const int o = o_warp + 8 * j + g;
-                    const u32* w = slot + C::pay + (u * OUT + o) * T::WORDS;
-                    const u32 hb = T::HIGH ? slot[C::high + u * OUT + o] : 0u;
-                    const int pair = (u * OUT + o_warp + 8 * j) / 2 + t;  // scales of outputs 2t, 2t+1 of the tile
-                    const u32 scales = slot[C::scale + pair];
-                    const u32 mins = T::ASYM ? slot[C::min + pair] : 0u;
-                    int lo, hi;
-                    decode_word<CB>(w[t], 0u, hb, t, lo, hi);
-                    const float d_w[2][1] = {{half_bits_to_float(scales & 0xFFFFu)}, {half_bits_to_float(scales >> 16)}};
-                    const float m_w[2] = {half_bits_to_float(mins & 0xFFFFu), half_bits_to_float(mins >> 16)};
-                    mma_tile<CB, MTILES>(a, rows, lo, hi, d_w, m_w, m0, M, acc[j]);
-                }
-            }
+            // Whole chunks of whole tiles, with rows in every 8-row half of the pass (or, for one M tile, in its first
+            // half: M <= 8) are nearly every chunk: there the trip counts are constants, and the chunk's blocks one
+            // branch-free stretch. (A third copy for two M tiles spilled gemv_mma<Q4_0, 4, 2, false>.)
+            if (cn == KC && tiles == NT && left > ROWS_ALL - 8)
+                ring_chunk<CB, NT, MTILES, GRID_SPLIT>(slot, KC, NT, ROWS_ALL, o_warp, g, t, acc);
+            else if (MTILES == 1 && cn == KC && tiles == NT && left > ROWS_ALL - 16)
+                ring_chunk<CB, NT, MTILES, GRID_SPLIT>(slot, KC, NT, ROWS_ALL - 8, o_warp, g, t, acc);
+            else
+                ring_chunk<CB, NT, MTILES, GRID_SPLIT>(slot, cn, tiles, left, o_warp, g, t, acc);
         }
         cp_async_wait<0>();
         __syncthreads();  // the next M pass refills the ring
