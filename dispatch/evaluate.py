@@ -100,7 +100,8 @@ def best_single_ratios(meas: Measurements) -> dict[LaunchKey, float]:
     for cb in meas.codebooks:
         cells = {key: cell for key, cell in meas.times.items() if key[0] == cb}
         common = set.intersection(*(set(cell) for cell in cells.values()))
-        best = min(sorted(common), key=lambda c: sum(math.log(cell[c] / min(cell.values())) for cell in cells.values()))
+        best = min(sorted(common),
+                   key=lambda c: math.fsum(math.log(cell[c] / min(cell.values())) for cell in cells.values()))
         out |= {key: cell[best] / min(cell.values()) for key, cell in cells.items()}
     return dict(sorted(out.items()))
 

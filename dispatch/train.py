@@ -98,7 +98,7 @@ class Measurements:
         times: dict[LaunchKey, dict[str, float]] = {}
         for (key, cand, _), values in sorted(sums.items()):
             cell = times.setdefault(key, {})
-            cell[cand] = max(cell.get(cand, 0.0), sum(values) / len(values))  # worst alias
+            cell[cand] = max(cell.get(cand, 0.0), math.fsum(values) / len(values))  # worst alias
         manifest = Path(corpus.folder) / MANIFEST
         first = provenances[0]
         source = {"corpus": Path(corpus.folder).name, "corpus_manifest_sha256": _sha256(manifest.read_bytes()),
@@ -274,7 +274,7 @@ def score(meas: Measurements, model: TimeModel, profile: Mapping[int, int]) -> S
             best = [(w, _best_time(cells[(cb, m, n, k, mode)], ident, m, n, k))
                     for m, w in profile.items() for mode in meas.modes]
             if all(t is not None for _, t in best):
-                per[ident] = sum(w * t for w, t in best) / total
+                per[ident] = math.fsum(w * t for w, t in best) / total
         expected[(cb, n, k)] = per
         limit = min(per.values()) * (1.0 + meas.noise_rel)
         chosen[(cb, n, k)] = min(i for i, e in per.items() if e <= limit)
