@@ -9,6 +9,7 @@ generated/nvidia-h200/ (the table a GPU run produced from the same corpus): the 
 
 from __future__ import annotations
 
+import json
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -43,6 +44,7 @@ class TuneResult:
     generated: Path | None  # None: rendered into a temp folder and compared (the embedded default)
     installed: install.Installed | None
     reproduced: bool | None  # embedded default: module and header equal the committed ones (None: nothing to compare)
+    mismatch: str = ""  # when not reproduced: where the regenerated policy departs from the committed one
 
     def lines(self) -> list[str]:
         """The final summary, one fact a line."""
@@ -63,7 +65,7 @@ class TuneResult:
         if self.reproduced is not None:
             out.append(f"reproducible: {'yes' if self.reproduced else 'NO'}, the regenerated module is "
                        f"{'byte-identical to' if self.reproduced else 'different from'} "
-                       f"{data_dir() / 'generated' / DEFAULT_GPU}")
+                       f"{data_dir() / 'generated' / DEFAULT_GPU}" + (f": {self.mismatch}" if self.mismatch else ""))
         return out
 
 
@@ -170,6 +172,37 @@ def embedded_default(log: Callable[[str], None] = certify._log, seed: int = 0) -
         else:
             reproduced = all((committed / name).read_bytes() == (result.generated / name).read_bytes()
                              for name in (generate.MODULE, generate.HEADER))
+        mismatch = "" if reproduced in (True, None) else policy_mismatch(committed / POLICY, result.policy)
         return TuneResult(source.folder, result.cells, result.policy, result.regret, result.price_of_invariance,
-                          result.certificate, None, None, reproduced)
+                          result.certificate, None, None, reproduced, mismatch)
 
+
+def policy_mismatch(committed: Path, policy: Policy) -> str:
+    """Why a regenerated module differs, in one phrase: the policy sections that differ from the committed
+    policy.json (with both scikit-learn versions where they differ), or that the policies agree, so the
+    rendering differs."""
+    if not committed.is_file():
+        return f"no {committed.name} beside it to tell whether the policy or the rendering differs"
+    theirs, ours = json.loads(committed.read_bytes()), json.loads(policy.to_bytes())
+    sections = _differing(theirs, ours)
+    if not sections:
+        return "the policy is the same, so the rendering differs (generate's template or the tool version)"
+    versions = theirs.get("source", {}).get("sklearn_version"), ours["source"].get("sklearn_version")
+    trained = f" (trained with scikit-learn {versions[0]}, here {versions[1]})" if versions[0] != versions[1] else ""
+    return f"the policy differs in {', '.join(sections)}{trained}"
+
+
+_SECTIONS_BY_PART = ("fallback", "options", "source")  # named part by part; the rest (overlays, shapes) whole
+
+
+def _differing(theirs: Mapping[str, Any], ours: Mapping[str, Any], prefix: str = "") -> list[str]:
+    out = []
+    for key in sorted(set(theirs) | set(ours)):
+        a, b = theirs.get(key), ours.get(key)
+        if key == "digest" or a == b:
+            continue
+        if not prefix and key in _SECTIONS_BY_PART and isinstance(a, dict) and isinstance(b, dict):
+            out += _differing(a, b, f"{key}.")
+        else:
+            out.append(prefix + key)
+    return out

@@ -3,6 +3,8 @@ installed at emulator level; then `check` on it, including a table whose module 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from click.testing import CliRunner
 from corpus_fixture import build_corpus
@@ -97,10 +99,24 @@ def test_embedded_default_reproduces_the_committed_table(monkeypatch, tmp_path):
     assert not committed.exists()
     # Commit what a GPU run would have produced from the same corpus: the same policy, rendered.
     committed.mkdir(parents=True)
-    for name, data_bytes in generate.render(policy).items():
-        (committed / name).write_bytes(data_bytes)
+
+    def commit(p):
+        for name, data_bytes in generate.render(p).items():
+            (committed / name).write_bytes(data_bytes)
+        (committed / tune.POLICY).write_bytes(p.to_bytes())
+
+    commit(policy)
     second = run()
     assert second.exit_code == 0 and "reproducible: yes" in second.output, second.output
     (committed / generate.HEADER).write_bytes((committed / generate.HEADER).read_bytes() + b"\n")
     third = run()
     assert third.exit_code == 1 and "reproducible: NO" in third.output, third.output
+    assert "the policy is the same, so the rendering differs" in third.output
+    # A committed table from another training (another seed and scikit-learn): NO, and why.
+    other = replace(policy, options={**policy.options, "random_state": 7},
+                    source={**policy.source, "sklearn_version": "0.0"})
+    commit(type(policy).from_bytes(other.to_bytes()))  # through its file: the digest follows the content
+    fourth = run()
+    assert fourth.exit_code == 1, fourth.output
+    assert "the policy differs in options.random_state, source.sklearn_version (trained with scikit-learn 0.0, " \
+        "here" in fourth.output, fourth.output
