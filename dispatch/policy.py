@@ -12,8 +12,9 @@ import hashlib
 import json
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from fractions import Fraction
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
@@ -220,7 +221,11 @@ class Policy:
     identity_overlays: Mapping[IdentityKey, int]
     launch_overlays: Mapping[LaunchKey, str]
     shapes: tuple[IdentityKey, ...]
-    digest: str = field(default="", compare=False)
+
+    @cached_property
+    def digest(self) -> str:
+        """SHA-256 of the policy file's content: derived, so a policy built or `replace`d in code has its own."""
+        return self.to_dict()["digest"]
 
     @property
     def sm_count(self) -> int:
@@ -347,13 +352,16 @@ def _parse(obj: dict[str, Any], where: str) -> Policy:
     shapes = _rows(obj["shapes"], codebooks, (int, int), f"{where}: shapes")
     if any(row[3] not in MODES or row[4] not in BY_ID for _, row in launch):
         raise InputError(f"{where}: launch_overlays has an unknown mode or candidate")
-    return Policy(
+    policy = Policy(
         source=source, options=options, codebooks=tuple(codebooks), identity_tree=identity_tree,
         launch_tree=launch_tree,
         identity_overlays={(cb, n, k): i for cb, (n, k, i) in ident},
         launch_overlays={(cb, m, n, k, mode): c for cb, (m, n, k, mode, c) in launch},
-        shapes=tuple((cb, n, k) for cb, (n, k) in shapes), digest=obj["digest"],
+        shapes=tuple((cb, n, k) for cb, (n, k) in shapes),
     )
+    if policy.digest != obj["digest"]:  # valid, but not as `train` writes it (e.g. overlays out of order)
+        raise InputError(f"{where}: not in the canonical form `train` writes (rewrite it with `train`)")
+    return policy
 
 
 def _rows(data: Any, codebooks: list[str], types: tuple[type, ...], where: str) -> Iterable[tuple[str, list[Any]]]:

@@ -110,13 +110,13 @@ def _quality(policy: Policy, corpus: Corpus) -> tuple[dict[str, Any], dict[str, 
 
 
 def train_policy(folder: Path, log: Callable[[str], None] = certify._log) -> Policy:
-    """The policy `train` makes of a corpus folder, with its digest (as read back from its file)."""
+    """The policy `train` makes of a corpus folder."""
     from gemv_dispatch.dispatch.train import train
 
     policy, notes = train(load(folder))
     for note in notes:
         log(f"  warning: {note}")
-    return Policy.from_bytes(policy.to_bytes(), "trained policy")
+    return policy
 
 
 def tune(plans: Sequence[SweepPlan], corpus_root: Path, timer: Timer, runner: certify.Runner, generated_root: Path,

@@ -107,6 +107,25 @@ def test_structural_defects_are_refused_even_with_a_fresh_digest(policy_file):
         Policy.from_bytes(json.dumps(obj).encode())
 
 
+def test_digest_follows_the_content(policy_file):
+    """A file out of canonical order is refused (its digest would not be the policy's), and a policy changed in
+    code has its own digest, not a stale copy."""
+    from dataclasses import replace
+
+    from gemv_dispatch.dispatch.policy import content_digest
+
+    obj = json.loads(policy_file.read_bytes())
+    cb = next(cb for cb, rows in obj["shapes"].items() if len(rows) > 1)
+    obj["shapes"][cb].reverse()
+    obj["digest"] = content_digest(obj)
+    with pytest.raises(InputError, match="canonical form"):
+        Policy.from_bytes(json.dumps(obj).encode())
+    policy = load_policy(policy_file)
+    assert policy.digest == json.loads(policy_file.read_bytes())["digest"]
+    changed = replace(policy, options={**policy.options, "random_state": 7})
+    assert changed.digest != policy.digest and changed.digest == json.loads(changed.to_bytes())["digest"]
+
+
 @pytest.mark.parametrize("args, match", [
     (("q4_1", 1, 64, 64, "graph"), "not in this policy"),
     (("q4_0", 0, 64, 64, "graph"), "M=0"),
