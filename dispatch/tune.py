@@ -183,7 +183,13 @@ def policy_mismatch(committed: Path, policy: Policy) -> str:
     rendering differs."""
     if not committed.is_file():
         return f"no {committed.name} beside it to tell whether the policy or the rendering differs"
-    theirs, ours = json.loads(committed.read_bytes()), json.loads(policy.to_bytes())
+    try:
+        theirs = json.loads(committed.read_bytes())
+    except ValueError:
+        theirs = None
+    if not isinstance(theirs, dict) or not isinstance(theirs.get("source", {}), dict):
+        return f"its {committed.name} is no policy, so whether the policy or the rendering differs is unknown"
+    ours = json.loads(policy.to_bytes())
     sections = _differing(theirs, ours)
     if not sections:
         return "the policy is the same, so the rendering differs (generate's template or the tool version)"

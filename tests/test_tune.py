@@ -119,3 +119,6 @@ def test_embedded_default_reproduces_the_committed_table(monkeypatch, tmp_path):
     assert fourth.exit_code == 1, fourth.output
     assert "the policy differs in options.random_state, source.sklearn_version (trained with scikit-learn 0.0, " \
         "here" in fourth.output, fourth.output
+    (committed / tune.POLICY).write_text("[]")  # a broken policy file: still NO, and no traceback
+    fifth = run()
+    assert fifth.exit_code == 1 and "policy.json is no policy" in fifth.output, fifth.output
