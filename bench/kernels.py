@@ -14,7 +14,8 @@ shape, plus one activation quantization per distinct input (anchors.LLAMA_8B_QUA
 and 16, against the same sum for tinygemm and cuBLAS fp16 (which take bf16 / fp16 activations as they are).
 Floors, timed the same way: an empty kernel, and one thread reading one word of a cold 1 GiB buffer (the least a
 launch that waits on DRAM once can take), under `floor_us`; the report (bench/kernels_report.py), printed last,
-gives each small shape's time above the second.
+gives each small shape's time above the second. Per shape, `stream_us`: the same weight bytes read by a pure
+streaming kernel (best of a few grids, cold L2), the time a GEMV of those bytes could take at best on this GPU.
 """
 
 from __future__ import annotations
@@ -194,6 +195,27 @@ def read_ceiling(l2: int, sms: int, stream: Any) -> float:
     return chunk / us / 1e3
 
 
+def stream_floor(nbytes: int, l2: int, sms: int, stream: Any) -> float:
+    """Device µs of the streaming read (STREAM_KERNEL) of `nbytes` from cold L2, the best of a few grids: what a
+    kernel that only reads a shape's weight bytes takes at that size, ramp and tail included."""
+    kernel = cp.RawKernel(STREAM_KERNEL, "stream_read")
+    n16 = -(-nbytes // 16)
+    bufs = [cp.random.default_rng(i).integers(0, 2**32, 4 * n16, dtype=cp.uint64).astype(cp.uint32)
+            for i in range(copies_for_cold_l2(16 * n16, l2))]
+    sink = cp.zeros(1, cp.uint32)
+    threads = 512
+    grids = sorted({*(sms * c for c in (1, 2, 4, 8)), -(-n16 // (4 * threads)), -(-n16 // threads)})
+
+    def run_grid(grid: int) -> Launch:
+        def run(i: int) -> None:
+            with stream:
+                kernel((grid,), (threads,), (bufs[i], np.uint64(n16), sink))
+        return run
+
+    stats = time_candidates({f"grid {g}": run_grid(g) for g in grids}, len(bufs), CONFIG, CupyBackend(stream))
+    return min(st.median_us for st in stats.values())
+
+
 def time_quantize(m: int, k: int, stream: Any) -> float:
     """Device µs of one activation quantization of float32 [M, K] (graph replay; the input is small: hot)."""
     with stream:
@@ -280,6 +302,10 @@ def main() -> None:
     def quantize_us(m: int, k: int) -> float:
         return time_quantize(m, k, timer.stream)
 
+    @cache
+    def stream_us(nbytes: int) -> float:
+        return stream_floor(nbytes, l2, prov.sm_count, timer.stream)
+
     for codebook, m, n, k in cells:
         stats = ours(codebook, m, n, k)
         best = min(stats, key=lambda c: stats[c].median_us)
@@ -289,7 +315,7 @@ def main() -> None:
         gbs = nbytes / st.median_us / 1e3
         row = {"codebook": codebook, "m": m, "n": n, "k": k, "best": best, "us": st.median_us, "p5_us": st.p5_us,
                "p95_us": st.p95_us, "weight_bytes": nbytes, "gbs": gbs, "of_ceiling": gbs / ceiling,
-               "ceiling_us": nbytes / ceiling / 1e3,
+               "ceiling_us": nbytes / ceiling / 1e3, "stream_us": stream_us(nbytes),
                **{f"{b}_us": v for b, v in base.items()},
                **{f"x_{b}": v / st.median_us for b, v in base.items()},
                **{f"best_{e}_us": v for e, v in engines.items()},

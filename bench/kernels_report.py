@@ -17,15 +17,22 @@ LARGE_BYTES = 64e6  # "shapes >= 64 MB" of the M = 1 target
 BIG_Q4_0_BYTES = 30e6  # the M = 16 target's "anchors with >= 30 MB of Q4_0 weights"
 
 
+def streamed(rows: list[dict]) -> bool:
+    """Whether the run timed a streaming read of each row's bytes (runs before it did not)."""
+    return all("stream_us" in r for r in rows)
+
+
 def table(rows: list[dict]) -> list[str]:
     m1 = {(r["codebook"], r["n"], r["k"]): r["us"] for r in rows if r["m"] == 1}
+    strm = streamed(rows)
     out = [f"{'codebook':8} {'M':>3} {'N':>7} {'K':>6} {'best':24} {'us':>8} {'GB/s':>6} {'ceil%':>6} "
-           f"{'x tiny':>7} {'x fp16':>7} {'dp4a us':>8} {'mma us':>8} {'/M=1':>6}"]
+           f"{'x tiny':>7} {'x fp16':>7} {'dp4a us':>8} {'mma us':>8} {'/M=1':>6}" + (f" {'strm%':>6}" if strm else "")]
     for r in rows:
         out.append(f"{r['codebook']:8} {r['m']:>3} {r['n']:>7} {r['k']:>6} {r['best']:24} {r['us']:8.2f} "
                    f"{r['gbs']:6.0f} {100 * r['of_ceiling']:6.1f} {r.get('x_tinygemm_int4', math.nan):7.2f} "
                    f"{r.get('x_cublas_fp16', math.nan):7.2f} {r.get('best_dp4a_us', math.nan):8.2f} "
-                   f"{r.get('best_mma_us', math.nan):8.2f} {r['us'] / m1[(r['codebook'], r['n'], r['k'])]:6.2f}")
+                   f"{r.get('best_mma_us', math.nan):8.2f} {r['us'] / m1[(r['codebook'], r['n'], r['k'])]:6.2f}"
+                   + (f" {100 * r['stream_us'] / r['us']:6.1f}" if strm else ""))
     return out
 
 
@@ -54,11 +61,13 @@ def targets(data: dict) -> list[tuple[str, str, bool]]:
             all(r["of_ceiling"] >= 0.85 for r in big)))
     small = [r for r in rows if r["codebook"] == "Q4_0" and r["m"] == 1 and r["weight_bytes"] < 16e6]
     floor = data.get("floor_us")  # runs before the floors were measured have none
+    strm = streamed(small)
     found.append(("small shapes within bytes/ceiling + ~1.5 µs (Q4_0, M = 1)" + (
         f"; in brackets the time above bytes/ceiling and above the one-cold-word floor ({floor['cold_word']:.2f} µs)"
-        if floor else ""), "; ".join(
+        if floor else "") + ("; after the bar, a streaming read of the same bytes" if strm else ""), "; ".join(
         f"{r['n']}×{r['k']} {r['us']:.2f} µs (+{r['us'] - r['ceiling_us']:.2f}"
-        + (f", +{r['us'] - floor['cold_word']:.2f}" if floor else "") + ")" for r in small),
+        + (f", +{r['us'] - floor['cold_word']:.2f}" if floor else "") + ")"
+        + (f" / {r['stream_us']:.2f} µs" if strm else "") for r in small),
         all(r["us"] - r["ceiling_us"] <= 1.5 for r in small)))
     e2e = {name: t["cublas_fp16"] / t["ours"] for name, t in data["end_to_end_us"].items() if name.endswith("M=1")}
     found.append(("end-to-end decode, M = 1, ≥ 2.5× cuBLAS fp16",
@@ -76,6 +85,8 @@ def report(data: dict, source: str) -> str:
              "Times: CUDA-graph replays, cold L2, medians. `best` is the fastest registry candidate of either engine; "
              "`dp4a us` and `mma us` the fastest of each engine; `x tiny` and `x fp16` are torch's int4 tinygemm and "
              "cuBLAS fp16 time over ours (> 1: we are faster); `/M=1` is the time over the same shape's M = 1 time. "
+             + ("`strm%` is the time a pure streaming read of the same bytes takes (same run, cold L2) over ours: how "
+                "close the shape is to what this GPU can read at its size. " if streamed(data["rows"]) else "") +
              "The JSON keeps every candidate's median under `candidates_us`. Roofline: `roofline-h200.png`.",
              "", "```", *table(data["rows"]), "```", "",
              "End to end, one Llama-3.1-8B decode step (q, k, v, o, gate, up, down × 32 layers + lm_head, one "
