@@ -5,6 +5,8 @@
 
 Each argument is CODEBOOK:M:N:K:CANDIDATE; each candidate is launched three times on random weights (the
 profiler's own cache control makes every launch cold). Diagnosis only: nothing here enters a corpus.
+`--clock-control none` keeps the GPU's own clocks; `python bench/ncu_summary.py LOG CELLS...` reduces the log to one
+line per cell.
 """
 
 from __future__ import annotations

@@ -14,16 +14,20 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = "bench/results/kernels-h200.json"
 
 
-@pytest.fixture(scope="module")
-def report():
-    """bench/kernels_report.py's report function (bench/ is scripts, not a package)."""
-    path = REPO / "bench" / "kernels_report.py"
+def bench_script(name: str):
+    """A module of bench/ (scripts, not a package), loaded from its file."""
+    path = REPO / "bench" / f"{name}.py"
     if not path.is_file():
         pytest.skip("bench/ is not part of this tree (an installed package without the checkout)")
-    spec = importlib.util.spec_from_file_location("kernels_report", path)
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.report
+    return module
+
+
+@pytest.fixture(scope="module")
+def report():
+    return bench_script("kernels_report").report
 
 
 def test_committed_report_is_rendered_from_the_committed_json(report):
@@ -51,3 +55,41 @@ def test_floors_of_the_run_are_reported(report):
     assert f"+{small['us'] - 1.37:.2f})" in text
     without = {key: value for key, value in data.items() if key != "floor_us"}
     assert "floor" not in report(without, RESULTS).lower()
+
+
+def test_streaming_reads_of_the_run_are_reported(report):
+    """A run that timed a streaming read of each shape's bytes (bench/kernels.py's stream_floor) shows it as `strm%`
+    and beside each small shape; a run with one row missing it renders without the column."""
+    data = json.loads((REPO / RESULTS).read_text())
+    streamed = copy.deepcopy(data)
+    for row in streamed["rows"]:
+        row["stream_us"] = row["us"] / 4
+    text = report(streamed, RESULTS)
+    assert "strm%" in text and f"{25.0:6.1f}" in text
+    small = next(r for r in data["rows"] if r["codebook"] == "Q4_0" and r["m"] == 1 and r["n"] == 512)
+    assert f" / {small['us'] / 4:.2f} µs" in text
+    del streamed["rows"][-1]["stream_us"]
+    assert "strm%" not in report(streamed, RESULTS)
+
+
+# The cells of bench/results/ncu-v16-h200.log, in the order bench/profile_candidates.py ran them (bench/NOTES.md).
+NCU_CELLS = ["Q4_0:1:4096:4096:direct.s16.t8.c1", "Q4_0:1:1024:4096:direct.s32.t16.c1",
+             "Q4_0:1:14336:4096:kpar.s8.t64.c2", "Q4_0:1:27648:5120:kpar.s4.t64.c2",
+             "IQ4_NL:1:27648:5120:kpar.s8.t64.c2",
+             "IQ4_XS:1:27648:5120:direct.s4.t32.c1", "Q4_K:1:27648:5120:direct.s4.t32.c1",
+             "Q4_0:8:27648:5120:kpar.s4.t128.mma2", "Q4_0:16:14336:4096:wide.s1.t128.mma2",
+             "Q4_0:16:151936:4096:wide.s1.t128.mma4", "Q8_0:16:14336:4096:kpar.s4.t128.mma2"]
+
+
+def test_ncu_summary_of_the_committed_log():
+    """bench/ncu_summary.py gives the notes' ncu table from the committed log; cells in another order are refused
+    (each cell's grid is checked against the kernels the log holds)."""
+    summary = bench_script("ncu_summary").summary
+    text = (REPO / "bench/results/ncu-v16-h200.log").read_text()
+    lines = summary(text, NCU_CELLS)
+    assert len(lines) == len(NCU_CELLS)
+    assert lines[0].startswith(NCU_CELLS[0]) and "   5.95 µs" in lines[0]
+    assert "grid   512  waves 0.78   93 regs" in lines[0]
+    assert "grid   224  waves 0.42" in lines[8]
+    with pytest.raises(SystemExit, match="did not run its grid"):
+        summary(text, NCU_CELLS[1:] + NCU_CELLS[:1])
