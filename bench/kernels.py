@@ -179,41 +179,41 @@ def time_baselines(m: int, n: int, k: int, l2: int, backend: TorchBackend) -> di
     return out
 
 
-def read_ceiling(l2: int, sms: int, stream: Any) -> float:
-    """GB/s of a 16-byte-load streaming read over rotating 256 MiB buffers (> 3x L2 in rotation)."""
-    kernel = cp.RawKernel(STREAM_KERNEL, "stream_read")
-    chunk = 256 << 20
-    bufs = [cp.random.default_rng(i).integers(0, 2**32, chunk // 4, dtype=cp.uint64).astype(cp.uint32)
-            for i in range(copies_for_cold_l2(chunk, l2))]
-    sink = cp.zeros(1, cp.uint32)
-
-    def run(i: int) -> None:
-        with stream:
-            kernel((sms * 4,), (512,), (bufs[i], np.uint64(chunk // 16), sink))
-
-    us = time_candidates({"stream": run}, len(bufs), CONFIG, CupyBackend(stream))["stream"].median_us
-    return chunk / us / 1e3
+STREAM_THREADS = 512
 
 
-def stream_floor(nbytes: int, l2: int, sms: int, stream: Any) -> float:
-    """Device µs of the streaming read (STREAM_KERNEL) of `nbytes` from cold L2, the best of a few grids: what a
-    kernel that only reads a shape's weight bytes takes at that size, ramp and tail included."""
+def stream_read_us(nbytes: int, grids: list[int], l2: int, stream: Any) -> float:
+    """Device µs of STREAM_KERNEL reading `nbytes` (rounded up to 16) from rotating copies past 3x L2 (cold), the
+    best median over launches of `grids` CTAs of STREAM_THREADS."""
     kernel = cp.RawKernel(STREAM_KERNEL, "stream_read")
     n16 = -(-nbytes // 16)
     bufs = [cp.random.default_rng(i).integers(0, 2**32, 4 * n16, dtype=cp.uint64).astype(cp.uint32)
             for i in range(copies_for_cold_l2(16 * n16, l2))]
     sink = cp.zeros(1, cp.uint32)
-    threads = 512
-    grids = sorted({*(sms * c for c in (1, 2, 4, 8)), -(-n16 // (4 * threads)), -(-n16 // threads)})
 
     def run_grid(grid: int) -> Launch:
         def run(i: int) -> None:
             with stream:
-                kernel((grid,), (threads,), (bufs[i], np.uint64(n16), sink))
+                kernel((grid,), (STREAM_THREADS,), (bufs[i], np.uint64(n16), sink))
         return run
 
     stats = time_candidates({f"grid {g}": run_grid(g) for g in grids}, len(bufs), CONFIG, CupyBackend(stream))
     return min(st.median_us for st in stats.values())
+
+
+def read_ceiling(l2: int, sms: int, stream: Any) -> float:
+    """GB/s of a 16-byte-load streaming read over rotating 256 MiB buffers (> 3x L2 in rotation)."""
+    chunk = 256 << 20
+    return chunk / stream_read_us(chunk, [sms * 4], l2, stream) / 1e3
+
+
+def stream_floor(nbytes: int, l2: int, sms: int, stream: Any) -> float:
+    """Device µs of the streaming read of `nbytes` from cold L2, the best of a few grids (a few waves, and one or
+    four loads per thread): what a kernel that only reads a shape's weight bytes takes at that size, ramp and tail
+    included."""
+    n16 = -(-nbytes // 16)
+    grids = sorted({*(sms * c for c in (1, 2, 4, 8)), -(-n16 // (4 * STREAM_THREADS)), -(-n16 // STREAM_THREADS)})
+    return stream_read_us(nbytes, grids, l2, stream)
 
 
 def time_quantize(m: int, k: int, stream: Any) -> float:

@@ -61,7 +61,7 @@ def targets(data: dict) -> list[tuple[str, str, bool]]:
             all(r["of_ceiling"] >= 0.85 for r in big)))
     small = [r for r in rows if r["codebook"] == "Q4_0" and r["m"] == 1 and r["weight_bytes"] < 16e6]
     floor = data.get("floor_us")  # runs before the floors were measured have none
-    strm = streamed(small)
+    strm = streamed(rows)
     found.append(("small shapes within bytes/ceiling + ~1.5 µs (Q4_0, M = 1)" + (
         f"; in brackets the time above bytes/ceiling and above the one-cold-word floor ({floor['cold_word']:.2f} µs)"
         if floor else "") + ("; after the bar, a streaming read of the same bytes" if strm else ""), "; ".join(
