@@ -3,8 +3,10 @@
     ncu --section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats \
         -k regex:gemv_ python bench/profile_candidates.py Q4_0:16:14336:4096:kpar.s8.t128.mma2 ...
 
-Each argument is CODEBOOK:M:N:K:CANDIDATE; each candidate is launched three times on random weights (the
-profiler's own cache control makes every launch cold). Diagnosis only: nothing here enters a corpus.
+Each argument is CODEBOOK:M:N:K:CANDIDATE, or stream:BYTES:GRID for bench/kernels.py's streaming read of that many
+bytes on GRID CTAs (what a kernel that only reads the weights achieves; profile it with `-k regex:stream_read`);
+each is launched three times on random data (the profiler's own cache control makes every launch cold). Diagnosis
+only: nothing here enters a corpus.
 `--clock-control none` keeps the GPU's own clocks; `python bench/ncu_summary.py LOG CELLS...` reduces the log to one
 line per cell.
 """
@@ -37,10 +39,30 @@ def launch_cells(cells: list[tuple[str, int, int, int, str]], repeats: int = 3) 
         stream.synchronize()
 
 
+def launch_stream_reads(reads: list[tuple[int, int]], repeats: int = 3) -> None:
+    """Launch the streaming read of each (bytes, grid) `repeats` times."""
+    from kernels import STREAM_KERNEL, STREAM_THREADS  # bench/kernels.py
+
+    kernel = cp.RawKernel(STREAM_KERNEL, "stream_read")
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        sink = cp.zeros(1, cp.uint32)
+        for nbytes, grid in reads:
+            n16 = -(-nbytes // 16)
+            data = cp.random.default_rng(nbytes).integers(0, 2**32, 4 * n16, dtype=cp.uint64).astype(cp.uint32)
+            for _ in range(repeats):
+                kernel((grid,), (STREAM_THREADS,), (data, cp.uint64(n16), sink))
+    stream.synchronize()
+
+
 def parse_cell(text: str) -> tuple[str, int, int, int, str]:
     codebook, m, n, k, cid = text.split(":")
     return codebook, int(m), int(n), int(k), cid
 
 
 if __name__ == "__main__":
-    launch_cells([parse_cell(arg) for arg in sys.argv[1:]])
+    for arg in sys.argv[1:]:  # in the order given: bench/ncu_summary.py reads the log's kernels in that order
+        if arg.startswith("stream:"):
+            launch_stream_reads([(int(arg.split(":")[1]), int(arg.split(":")[2]))])
+        else:
+            launch_cells([parse_cell(arg)])

@@ -93,3 +93,24 @@ def test_ncu_summary_of_the_committed_log():
     assert "grid   224  waves 0.42" in lines[8]
     with pytest.raises(SystemExit, match="did not run its grid"):
         summary(text, NCU_CELLS[1:] + NCU_CELLS[:1])
+
+
+# The cells of the streaming comparison (bench/NOTES.md, version 19): our best M = 1 launches and the streaming read.
+NCU_M1_CELLS = ["Q4_0:1:151936:4096:kpar.s2.t128.c1", "Q4_0:1:27648:5120:kpar.s4.t64.c2",
+                "Q4_0:1:14336:4096:kpar.s8.t64.c2", "Q4_0:1:4096:4096:direct.s16.t16.c1",
+                "Q8_0:1:27648:5120:direct.s2.t64.c1"]
+NCU_STREAM_CELLS = ["stream:350060544:528", "stream:350060544:42737", "stream:79626240:528", "stream:79626240:2430",
+                    "stream:33030144:528", "stream:33030144:1008", "stream:9437184:528", "stream:9437184:288",
+                    "stream:150405120:528"]
+
+
+def test_ncu_summary_of_the_metric_logs():
+    """The notes' streaming comparison comes from the committed --metrics logs (DRAM bytes, active warps), streaming
+    reads named by their grid; a cell list in another order is refused there too."""
+    summary = bench_script("ncu_summary").summary
+    ours = summary((REPO / "bench/results/ncu-v16-m1-metrics-h200.log").read_text(), NCU_M1_CELLS)
+    assert "  88.29 µs  DRAM  350.7 MB 83.4 %" in ours[0] and "warps 19.5 %" in ours[1]
+    reads = summary((REPO / "bench/results/ncu-stream-metrics-h200.log").read_text(), NCU_STREAM_CELLS)
+    assert "  79.68 µs  DRAM  350.1 MB 92.0 %" in reads[0] and "warps 97.4 %" in reads[0]
+    with pytest.raises(SystemExit, match="did not run its grid"):
+        summary((REPO / "bench/results/ncu-stream-metrics-h200.log").read_text(), NCU_STREAM_CELLS[::-1])
