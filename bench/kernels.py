@@ -26,7 +26,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from functools import cache
+from functools import cache, partial
 from pathlib import Path
 from typing import Any
 
@@ -182,22 +182,29 @@ def time_baselines(m: int, n: int, k: int, l2: int, backend: TorchBackend) -> di
 STREAM_THREADS = 512
 
 
+def stream_reads(nbytes: int, copies: int, stream: Any) -> Callable[[int, int], None]:
+    """run(grid, i): STREAM_KERNEL on `stream`, `grid` CTAs of STREAM_THREADS reading copy i of `copies` random
+    buffers of `nbytes` (rounded up to 16), which are written on that stream."""
+    kernel = cp.RawKernel(STREAM_KERNEL, "stream_read")
+    n16 = -(-nbytes // 16)
+    with stream:
+        bufs = [cp.random.default_rng(i).integers(0, 2**32, 4 * n16, dtype=cp.uint64).astype(cp.uint32)
+                for i in range(copies)]
+        sink = cp.zeros(1, cp.uint32)
+
+    def run(grid: int, i: int) -> None:
+        with stream:
+            kernel((grid,), (STREAM_THREADS,), (bufs[i], np.uint64(n16), sink))
+    return run
+
+
 def stream_read_us(nbytes: int, grids: list[int], l2: int, stream: Any) -> float:
     """Device µs of STREAM_KERNEL reading `nbytes` (rounded up to 16) from rotating copies past 3x L2 (cold), the
     best median over launches of `grids` CTAs of STREAM_THREADS."""
-    kernel = cp.RawKernel(STREAM_KERNEL, "stream_read")
-    n16 = -(-nbytes // 16)
-    bufs = [cp.random.default_rng(i).integers(0, 2**32, 4 * n16, dtype=cp.uint64).astype(cp.uint32)
-            for i in range(copies_for_cold_l2(16 * n16, l2))]
-    sink = cp.zeros(1, cp.uint32)
-
-    def run_grid(grid: int) -> Launch:
-        def run(i: int) -> None:
-            with stream:
-                kernel((grid,), (STREAM_THREADS,), (bufs[i], np.uint64(n16), sink))
-        return run
-
-    stats = time_candidates({f"grid {g}": run_grid(g) for g in grids}, len(bufs), CONFIG, CupyBackend(stream))
+    copies = copies_for_cold_l2(16 * -(-nbytes // 16), l2)
+    read = stream_reads(nbytes, copies, stream)
+    launches: dict[str, Launch] = {f"grid {g}": partial(read, g) for g in grids}
+    stats = time_candidates(launches, copies, CONFIG, CupyBackend(stream))
     return min(st.median_us for st in stats.values())
 
 

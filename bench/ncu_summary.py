@@ -48,13 +48,9 @@ def kernels(text: str) -> list[dict[str, float | str]]:
     for i in range(1, len(parts), 7):  # a split yields the 6 captured grid and block sizes, then the block
         grid, block = [int(g) for g in parts[i:i + 3]], parts[i + 6]
         row: dict[str, float | str] = {"grid": grid[0] * grid[1] * grid[2]}
-        for label, key in METRICS.items():
-            if hit := re.search(rf"\n\s+{re.escape(label)}\s+(?:\S+\s+)?([\d,.]+)\n", block):
-                row[key] = float(hit.group(1).replace(",", ""))
-        for name, key in METRIC_NAMES.items():
-            if hit := re.search(rf"\n\s+{re.escape(name)}\s+(\S+\s+)?([\d,.]+)\n", block):
-                unit = (hit.group(1) or "").strip()
-                row[key] = float(hit.group(2).replace(",", "")) * SCALE.get(unit, 1.0)
+        for label, key in (METRICS | METRIC_NAMES).items():  # a value in the units of SCALE where it has one
+            if hit := re.search(rf"\n\s+{re.escape(label)}\s+(\S+\s+)?([\d,.]+)\n", block):
+                row[key] = float(hit.group(2).replace(",", "")) * SCALE.get((hit.group(1) or "").strip(), 1.0)
         stall = STALL.search(re.sub(r"\s+", " ", block))
         reason = stall.group(2).replace("waiting for a scoreboard dependency on a L1TEX (local, global, surface, "
                                         "texture) operation", "on the L1TEX scoreboard") if stall else ""
@@ -80,9 +76,10 @@ def summary(text: str, cells: list[str]) -> list[str]:
     lines = []
     for i, cell in enumerate(cells):
         group = rows[i * per:(i + 1) * per]
-        if any(r["grid"] != cell_grid(cell) for r in group):  # the log's order is not the cells'
+        ctas = cell_grid(cell)
+        if any(r["grid"] != ctas for r in group):  # the log's order is not the cells'
             raise SystemExit(f"{cell}: the log's kernels {i * per}..{(i + 1) * per - 1} did not run its grid "
-                             f"of {cell_grid(cell)} CTAs")
+                             f"of {ctas} CTAs")
 
         def med(key: str, group: list[dict[str, float | str]] = group) -> float:
             return statistics.median(float(r.get(key, float("nan"))) for r in group)

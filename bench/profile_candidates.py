@@ -39,19 +39,14 @@ def launch_cells(cells: list[tuple[str, int, int, int, str]], repeats: int = 3) 
         stream.synchronize()
 
 
-def launch_stream_reads(reads: list[tuple[int, int]], repeats: int = 3) -> None:
-    """Launch the streaming read of each (bytes, grid) `repeats` times."""
-    from kernels import STREAM_KERNEL, STREAM_THREADS  # bench/kernels.py
+def launch_stream_read(nbytes: int, grid: int, repeats: int = 3) -> None:
+    """Launch bench/kernels.py's streaming read of `nbytes` on `grid` CTAs `repeats` times."""
+    from kernels import stream_reads  # bench/kernels.py: imported only for a streaming cell
 
-    kernel = cp.RawKernel(STREAM_KERNEL, "stream_read")
     stream = cp.cuda.Stream(non_blocking=True)
-    with stream:
-        sink = cp.zeros(1, cp.uint32)
-        for nbytes, grid in reads:
-            n16 = -(-nbytes // 16)
-            data = cp.random.default_rng(nbytes).integers(0, 2**32, 4 * n16, dtype=cp.uint64).astype(cp.uint32)
-            for _ in range(repeats):
-                kernel((grid,), (STREAM_THREADS,), (data, cp.uint64(n16), sink))
+    read = stream_reads(nbytes, 1, stream)
+    for _ in range(repeats):
+        read(grid, 0)
     stream.synchronize()
 
 
@@ -63,6 +58,7 @@ def parse_cell(text: str) -> tuple[str, int, int, int, str]:
 if __name__ == "__main__":
     for arg in sys.argv[1:]:  # in the order given: bench/ncu_summary.py reads the log's kernels in that order
         if arg.startswith("stream:"):
-            launch_stream_reads([(int(arg.split(":")[1]), int(arg.split(":")[2]))])
+            _, nbytes, grid = arg.split(":")
+            launch_stream_read(int(nbytes), int(grid))
         else:
             launch_cells([parse_cell(arg)])

@@ -110,7 +110,8 @@ def test_ncu_summary_of_the_metric_logs():
     summary = bench_script("ncu_summary").summary
     ours = summary((REPO / "bench/results/ncu-v16-m1-metrics-h200.log").read_text(), NCU_M1_CELLS)
     assert "  88.29 µs  DRAM  350.7 MB 83.4 %" in ours[0] and "warps 19.5 %" in ours[1]
-    reads = summary((REPO / "bench/results/ncu-stream-metrics-h200.log").read_text(), NCU_STREAM_CELLS)
+    log = (REPO / "bench/results/ncu-stream-metrics-h200.log").read_text()
+    reads = summary(log, NCU_STREAM_CELLS)
     assert "  79.68 µs  DRAM  350.1 MB 92.0 %" in reads[0] and "warps 97.4 %" in reads[0]
     with pytest.raises(SystemExit, match="did not run its grid"):
-        summary((REPO / "bench/results/ncu-stream-metrics-h200.log").read_text(), NCU_STREAM_CELLS[::-1])
+        summary(log, NCU_STREAM_CELLS[::-1])
