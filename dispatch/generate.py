@@ -120,17 +120,20 @@ def context(policy: Policy, inventories: str) -> dict[str, Any]:
         "mma_outputs": registry.MMA_OUTPUTS,
         "max_cta_threads": registry.MAX_CTA_THREADS,
         "shared_limit": registry.SHARED_MEMORY_LIMIT,
+        "staged_block_bytes": registry.STAGED_BLOCK_BYTES,
         "modes": list(features.MODES),
         "families": list(FAMILIES),
         "identity_features": list(RENDERED_IDENTITY_FEATURES),
         "launch_features": list(RENDERED_LAUNCH_FEATURES),
         "codebooks": [(cb, [features.codebook_features(cb)[f] for f in features.CODEBOOK_FEATURES])
                       for cb in codebooks],
-        "candidates": [(c.id, FAMILIES.index(c.family), c.ksplit, c.threads, c.cpt, c.mma_tiles) for c in candidates],
+        "candidates": [(c.id, FAMILIES.index(c.family), c.ksplit, c.threads, c.cpt, c.mma_tiles, int(c.staged))
+                       for c in candidates],
         "canonical_wide": index[CANONICAL_WIDE],
         # canonical(i, k) for i > 1: the dp4a kpar t128 c1 launches, in registry order (policy.canonical).
         "canonical_kpar": [i for i, c in enumerate(candidates)
-                           if c.family == "kpar" and c.threads == 128 and c.cpt == 1 and not c.mma_tiles],
+                           if c.family == "kpar" and c.threads == 128 and c.cpt == 1 and not c.mma_tiles
+                           and not c.staged],
         "identity_tree": _tree(policy.identity_tree, RENDERED_IDENTITY_FEATURES, None),
         "launch_tree": _tree(policy.launch_tree, RENDERED_LAUNCH_FEATURES, index),
         "identity_overlays": sorted((cb_index[cb], n, k, ident)

@@ -70,7 +70,7 @@ def read_digested(data: bytes, where: str, fmt: str, what: str, writer: str) -> 
 def candidate_table() -> list[dict[str, Any]]:
     """kernels.registry.CANDIDATES as data, in registry order (what a policy was made for)."""
     return [{"id": c.id, "family": c.family, "ksplit": c.ksplit, "threads": c.threads, "cpt": c.cpt,
-             "mma_tiles": c.mma_tiles} for c in CANDIDATES]
+             "mma_tiles": c.mma_tiles, "staged": c.staged} for c in CANDIDATES]
 
 
 def canonical(identity: int, n: int, k: int) -> Candidate | None:
@@ -81,7 +81,8 @@ def canonical(identity: int, n: int, k: int) -> Candidate | None:
     if identity == 1:
         return BY_ID[CANONICAL_WIDE]
     for c in CANDIDATES:
-        if (c.family == "kpar" and c.threads == 128 and c.cpt == 1 and not c.mma_tiles and c.identity(k) == identity
+        if (c.family == "kpar" and c.threads == 128 and c.cpt == 1 and not c.mma_tiles and not c.staged
+                and c.identity(k) == identity
                 and c.valid(1, n, k)):
             return c
     return None

@@ -63,7 +63,7 @@ RANDOM_STATE = 0
 CANDIDATE_IDS: tuple[str, ...] = tuple(c.id for c in CANDIDATES)
 FAMILIES = ("wide", "direct", "kpar")
 TIME_FEATURES: tuple[str, ...] = (*LAUNCH_FEATURES, "family", "ksplit", "threads", "cpt", "mma_tiles",
-                                  "row_tile", "ctas")
+                                  "staged", "row_tile", "ctas")
 
 Geometry = tuple[str, int, int]  # (codebook, n, k)
 
@@ -157,7 +157,7 @@ def time_features(codebook: str, candidate: Candidate, m: int, n: int, k: int, m
     (gx, gy, _), _ = candidate.launch_geometry(m, n, k)
     tile = mma_row_tiles(m) if candidate.mma_tiles else row_tile(m, candidate.cpt)
     return [*feats, FAMILIES.index(candidate.family), candidate.ksplit, candidate.threads, candidate.cpt,
-            candidate.mma_tiles, tile, gx * gy]
+            candidate.mma_tiles, int(candidate.staged), tile, gx * gy]
 
 
 @cache

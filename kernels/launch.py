@@ -354,7 +354,7 @@ def plan(candidate: Candidate, weights: DeviceWeights, m: int) -> Plan:
     return Plan(
         candidate=candidate, m=m,
         kernel=_kernel(weights.codebook, candidate.kernel_name(weights.codebook, m)),
-        grid=grid, block=block, shared=candidate.shared_bytes(m),
+        grid=grid, block=block, shared=candidate.shared_bytes(m, k),
         weights=weights.plane_args(),
         scalars=(np.int32(m), np.int32(n), np.int32(k // BLOCK), np.int32(candidate.partition_width(k))),
         workspace_floats=candidate.workspace_bytes(m, n, k) // 4,

@@ -9,6 +9,10 @@ the same bytes as no split: kernels.emulate.identity). Spellings with the same S
 Engines: dp4a (gemv_partial) for every family, and int8 tensor cores (gemv_mma) for wide and kpar. Both
 give the same bytes for the same S; the engine is a launch choice like threads or tiles.
 
+Staged twins: at M = 1 each dp4a candidate has a twin (`staged`, gemv_staged) whose CTAs copy the activation
+blocks they walk into shared memory first (STAGED_BLOCK_BYTES each: direct and wide all KB, kpar its partition), so
+the row rides in no register; valid where that fits beside the direct family's partials.
+
 Row tile: a dp4a launch processes M in tiles of MT = min(next power of two >= M, the candidate's tile cap),
 decoding each weight block once per tile. The cap keeps MT·CPT <= 16 accumulators per thread, which keeps
 every instantiation spill-free under the 128-register cap. An mma launch takes M in tiles of 16 rows per
@@ -17,7 +21,7 @@ mma (MMA_ROWS), two of them per pass when M > 16.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache, cached_property
 from typing import Literal
 
@@ -36,6 +40,7 @@ MMA_ROWS = 16  # activation rows per mma.m16n8k32 (the A operand)
 MMA_OUTPUTS = 8  # outputs per mma (the B operand)
 MMA_ROW_TILES = (1, 2)  # M tiles of MMA_ROWS handled per pass over the weights
 SHARED_MEMORY_LIMIT = 48 * 1024  # default dynamic shared memory per CTA, no opt-in needed
+STAGED_BLOCK_BYTES = 40  # one staged activation block: 32 int8 values, d_a and the integer sum (gemv.cu's)
 REGISTER_FILE = 65536  # 32-bit registers a CTA may use (every architecture since sm_50)
 # Threads per CTA a candidate may launch: what the register file holds at the compile options' register cap.
 MAX_CTA_THREADS = REGISTER_FILE // MAX_REGISTERS
@@ -65,15 +70,18 @@ class Candidate:
     threads: int  # threads along N per CTA (blockDim.x)
     cpt: int = 1  # dp4a: consecutive outputs per thread
     mma_tiles: int = 0  # tensor-core engine: 8-output mma tiles per warp; 0 selects the dp4a engine
+    staged: bool = False  # dp4a at M = 1: the activation row staged per CTA in shared memory (gemv_staged)
 
     def __post_init__(self) -> None:
         if self.mma_tiles and (self.family == "direct" or self.cpt != 1 or self.threads % WARP):
             raise ValueError(f"an mma candidate is wide or kpar with cpt 1 and whole warps, not {self}")
+        if self.staged and self.mma_tiles:
+            raise ValueError(f"only a dp4a candidate has a staged twin, not {self}")
 
     @cached_property
     def id(self) -> str:
         tail = f"mma{self.mma_tiles}" if self.mma_tiles else f"c{self.cpt}"
-        return f"{self.family}.s{self.ksplit}.t{self.threads}.{tail}"
+        return f"{self.family}.s{self.ksplit}.t{self.threads}.{tail}{'.st' if self.staged else ''}"
 
     @property
     def engine(self) -> Engine:
@@ -95,11 +103,13 @@ class Candidate:
     def grid_split(self) -> bool:
         return self.family == "kpar"
 
-    def shared_bytes(self, m: int) -> int:
-        """Dynamic shared memory per CTA: the direct family's partials of partitions 1..S-1."""
+    def shared_bytes(self, m: int, k: int) -> int:
+        """Dynamic shared memory per CTA: the direct family's partials of partitions 1..S-1, then a staged twin's
+        activation blocks (direct and wide: all KB; kpar: a partition)."""
         if self.family == "kpar":
-            return 0
-        return (self.ksplit - 1) * row_tile(m, self.cpt) * self.threads * self.cpt * 4
+            return STAGED_BLOCK_BYTES * self.partition_width(k) if self.staged else 0
+        partials = (self.ksplit - 1) * row_tile(m, self.cpt) * self.threads * self.cpt * 4
+        return partials + (STAGED_BLOCK_BYTES * (k // BLOCK) if self.staged else 0)
 
     def workspace_bytes(self, m: int, n: int, k: int) -> int:
         """kpar's workspace: ticket_words(N) u32 counters, zero before a launch and left zero by it, then the
@@ -118,8 +128,10 @@ class Candidate:
             return f"ksplit {self.ksplit} is not effective for KB={k // BLOCK} (it acts as S={self.split(k)})"
         if self.family != "kpar" and self.threads * self.ksplit > MAX_CTA_THREADS:
             return f"{self.threads}x{self.ksplit} threads exceed {MAX_CTA_THREADS} per CTA"
-        if self.shared_bytes(m) > SHARED_MEMORY_LIMIT:
-            return f"needs {self.shared_bytes(m)} bytes of shared memory (limit {SHARED_MEMORY_LIMIT})"
+        if self.staged and m != 1:
+            return f"a staged launch computes M = 1, not M={m}"
+        if self.shared_bytes(m, k) > SHARED_MEMORY_LIMIT:
+            return f"needs {self.shared_bytes(m, k)} bytes of shared memory (limit {SHARED_MEMORY_LIMIT})"
         return None
 
     def valid(self, m: int, n: int, k: int) -> bool:
@@ -131,6 +143,8 @@ class Candidate:
         split = "true" if self.grid_split else "false"
         if self.mma_tiles:
             return f"gemv_mma<{cb}, {self.mma_tiles}, {mma_row_tiles(m)}, {split}>"
+        if self.staged:
+            return f"gemv_staged<{cb}, {self.cpt}, {split}>"
         return f"gemv_partial<{cb}, {self.cpt}, {row_tile(m, self.cpt)}, {split}>"
 
     def launch_geometry(self, m: int, n: int, k: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
@@ -167,7 +181,9 @@ def _build() -> tuple[Candidate, ...]:
     mma = [Candidate("wide", 1, 128, mma_tiles=t) for t in (2, 4)] + [
         Candidate("kpar", s, 128, mma_tiles=2) for s in (2, 4, 8, 16, 32)
     ]
-    return tuple(wide + direct + kpar + mma)
+    # Staged twins of every dp4a launch, for M = 1 (version 22: faster on the large Q4_0 shapes, slower on small).
+    staged = [replace(c, staged=True) for c in wide + direct + kpar]
+    return tuple(wide + direct + kpar + mma + staged)
 
 
 CANDIDATES: tuple[Candidate, ...] = _build()

@@ -19,7 +19,7 @@ from gemv_dispatch.kernels import emulate, launch, layout
 from gemv_dispatch.kernels.codebooks import CODEBOOKS, SUPERBLOCK
 from gemv_dispatch.kernels.errors import BLOCK
 from gemv_dispatch.kernels.layout import pack
-from gemv_dispatch.kernels.registry import CANDIDATES
+from gemv_dispatch.kernels.registry import CANDIDATES, Candidate
 from seeds import fresh_seed
 from test_emulate import ADVERSARIAL, weights
 
@@ -106,6 +106,23 @@ def test_kpar_candidates_share_one_workspace(sim):
     for _ in range(2):
         for cand in kpar:
             assert_same_bits(sim.gemv(cand, packed, qa, POISON, ws), expected[cand.split(K)], cand.id)
+
+
+def test_staged_launches_need_their_shared_memory_and_no_more(sim, monkeypatch):
+    """gemv_staged's CTAs stage their activation blocks behind the partials in exactly Candidate.shared_bytes: with
+    it they give the emulator's bytes; one staged block (40 bytes) less and the CTA writes past its shared memory
+    (the simulator's guard), for a direct and a kpar twin."""
+    value = fresh_seed()
+    packed = pack("Q4_0", weights("Q4_0", N, K // BLOCK, value, "gaussian"), N, K)
+    qa = emulate.quantize_activations(activations(1, np.random.default_rng(value)))
+    twins = [next(c for c in valid(1) if c.staged and c.family == f and c.split(K) == 4) for f in ("direct", "kpar")]
+    for cand in twins:
+        assert_same_bits(sim.gemv(cand, packed, qa, POISON), emulate.gemv_quantized(packed, qa, 4), cand.id)
+    exact = Candidate.shared_bytes
+    monkeypatch.setattr(Candidate, "shared_bytes", lambda c, m, k: exact(c, m, k) - 40)
+    for cand in twins:
+        with pytest.raises(RuntimeError, match="wrote past"):
+            sim.gemv(cand, packed, qa, POISON)
 
 
 def check_candidates(sim, codebook: str, n: int, k: int, x: np.ndarray, ms: tuple[int, ...], value: int,

@@ -1,5 +1,7 @@
 """Candidate registry (docs/contract.md §3): ids, normalization, validity, launch geometry, compiled instantiations."""
 
+import dataclasses
+
 import pytest
 from gemv_dispatch.kernels.codebooks import CODEBOOKS
 from gemv_dispatch.kernels.emulate import effective_split, identity
@@ -26,9 +28,10 @@ def test_ids_are_unique_and_name_their_candidate():
     assert len(BY_ID) == len(CANDIDATES)
     for cand in CANDIDATES:
         assert by_id(cand.id) is cand
-        family, split, threads, tail = cand.id.split(".")
+        family, split, threads, tail, *staged = cand.id.split(".")
         assert (family, split, threads) == (cand.family, f"s{cand.ksplit}", f"t{cand.threads}")
         assert tail == (f"mma{cand.mma_tiles}" if cand.engine == "mma" else f"c{cand.cpt}")
+        assert staged == (["st"] if cand.staged else [])
 
 
 def test_unknown_id_is_one_clear_error():
@@ -39,6 +42,20 @@ def test_unknown_id_is_one_clear_error():
 def test_both_engines_are_offered():
     engines = {(c.family, c.engine) for c in CANDIDATES}
     assert engines == {("wide", "dp4a"), ("direct", "dp4a"), ("kpar", "dp4a"), ("wide", "mma"), ("kpar", "mma")}
+
+
+def test_every_dp4a_launch_has_a_staged_twin_for_one_row():
+    """gemv_staged: each dp4a candidate's twin, valid at M = 1 only and where its staged blocks fit the shared memory
+    beside the partials (40 bytes a block: direct and wide all of K, kpar one partition)."""
+    twins = {dataclasses.replace(c, staged=False): c for c in CANDIDATES if c.staged}
+    assert set(twins) == {c for c in CANDIDATES if c.engine == "dp4a" and not c.staged}
+    direct = twins[next(c for c in twins if c.family == "direct" and c.ksplit == 16 and c.threads == 8)]
+    assert direct.kernel_name("Q4_0", 1) == "gemv_staged<0, 1, false>"
+    assert direct.shared_bytes(1, 4096) == 15 * 8 * 4 + 40 * 128
+    assert direct.valid(1, 4096, 4096) and "M = 1" in direct.invalid_reason(2, 4096, 4096)
+    assert "shared memory" in direct.invalid_reason(1, 4096, 32 * 1300)  # 52 KB of blocks
+    kpar = twins[next(c for c in twins if c.family == "kpar" and c.ksplit == 4 and c.threads == 64)]
+    assert kpar.shared_bytes(1, 32 * 4000) == 40 * 1000 and kpar.valid(1, 4096, 32 * 4000)
 
 
 @pytest.mark.parametrize("bad", [
@@ -61,8 +78,9 @@ def test_every_gemv_shape_has_candidates_each_identity_spelled_once(shape):
     for c in cands:
         assert c.split(k) == c.ksplit == effective_split(kb, c.ksplit)  # normalized: ksplit is effective
         assert c.identity(k) == identity(kb, c.ksplit)
-        assert c.shared_bytes(m) <= SHARED_MEMORY_LIMIT
-    launches = [(c.family, c.ksplit, c.threads, c.cpt, c.mma_tiles) for c in cands]
+        assert c.shared_bytes(m, k) <= SHARED_MEMORY_LIMIT
+        assert not c.staged or m == 1
+    launches = [(c.family, c.ksplit, c.threads, c.cpt, c.mma_tiles, c.staged) for c in cands]
     assert len(launches) == len(set(launches))
 
 

@@ -7,6 +7,7 @@
 //     direct  in-CTA, S >= 2 partitions          (p = threadIdx.y), partials meet in shared memory
 //     kpar    GRID_SPLIT, S partitions over CTAs (p = blockIdx.y), partials to workspace [S][M][N], folded in
 //             the same launch by the last CTA of each column range (fold_last)
+//   gemv_staged<CB, CPT, GRID_SPLIT>  gemv_partial at M = 1 with the activation row staged per CTA in shared memory
 //   gemv_mma<CB, NT, MTILES, GRID_SPLIT>  int8 tensor cores, a warp owns 8*NT outputs; wide and kpar; operands
 //     through a cp.async ring in shared memory (mma_ring) or prefetched in registers (mma_registers)
 //   quantize_activations: x float32 [M][K] -> q int8 [KB][M][32], d_a float [KB][M], sum_a int [KB][M]
@@ -485,9 +486,18 @@ struct ActivationRow {
     }
 };
 
-// 512 threads at most (direct: threads x S <= 512) caps registers at 128 so every launch fits an SM.
-template <int CB, int CPT, int MT, bool GRID_SPLIT>
-__global__ void gemv_partial(GEMV_PARAMS) {
+// A block of one activation row staged in shared memory (gemv_staged): its 32 int8 values, then {d_a bits, s_a}
+// in an array behind the rows (kernels.registry.STAGED_BLOCK_BYTES).
+constexpr int STAGED_BLOCK_BYTES = 40;
+static_assert(STAGED_BLOCK_BYTES == 2 * sizeof(int4) + sizeof(int2), "a staged block is its row and {d_a, s_a}");
+
+// The dp4a engine's body. STAGE (M = 1, gemv_staged): the CTA first copies the activation blocks its threads walk
+// (direct and wide: all KB; kpar: its partition) into shared memory behind the direct family's partials, and the
+// threads read a block's row there at use instead of loading it with the weights: the registers that held the rows
+// in flight go to more CTAs per SM (bench/NOTES.md, version 22).
+template <int CB, int CPT, int MT, bool GRID_SPLIT, bool STAGE>
+__device__ __forceinline__ void dp4a_partial(GEMV_PARAMS) {
+    static_assert(!STAGE || MT == 1, "a staged launch computes one row");
     typedef Traits<CB> T;
     constexpr int G = T::GROUP, H = T::HALVES, CC = T::COLUMNS < CPT ? T::COLUMNS : CPT;
     // Loads of several blocks in flight; fewer when the tile already holds many registers. A group of the
@@ -498,8 +508,8 @@ __global__ void gemv_partial(GEMV_PARAMS) {
     // only where a thread walks one column at a time (with two, their 8 qh words each spill); IQ4_XS not at all
     // (its batch measured 1.16-1.49x slower at M = 1: bench/NOTES.md, version 16).
     constexpr int BATCH = (CB == Q5_K && CC > 1) || CB == IQ4_XS ? 1 : UNROLL;
-    constexpr bool ROW_AHEAD = MT == 1 && G == 1;  // one row, one block per group: its activations ride along
-    DYNAMIC_SHARED(float, partials);  // direct family: [S-1][MT][blockDim.x*CPT]
+    constexpr bool ROW_AHEAD = MT == 1 && G == 1 && !STAGE;  // one row, one block per group: its activations ride along
+    DYNAMIC_SHARED(float, partials);  // direct family: [S-1][MT][blockDim.x*CPT], then (STAGE) the staged blocks
     const Planes P{payload, high, scale, minv, sub};
 
     const int S = GRID_SPLIT ? gridDim.y : blockDim.y;
@@ -511,9 +521,23 @@ __global__ void gemv_partial(GEMV_PARAMS) {
     const int g_begin = b_begin / G, g_end = (b_end + G - 1) / G;
     // A group whose super-block fields are (re)loaded: the partition's first, and the first of each SPAN.
     auto starts_span = [&](int grp) { return grp == g_begin || (grp * G) % T::SPAN == 0; };
+    const int stage_begin = GRID_SPLIT ? b_begin : 0, staged = (GRID_SPLIT ? b_end : KB) - stage_begin;
+    int4* stage_q = reinterpret_cast<int4*>(partials + (GRID_SPLIT ? 0 : (S - 1) * MT * blockDim.x * CPT));
+    int2* stage_ds = reinterpret_cast<int2*>(stage_q + 2 * staged);
 
     for (int m0 = 0; m0 < M; m0 += MT) {
         const int rows = min(MT, M - m0);
+        if (STAGE) {
+            if (m0 > 0) __syncthreads();  // every thread has read the previous row
+            const int tid = threadIdx.x + blockDim.x * threadIdx.y, threads = blockDim.x * blockDim.y;
+            for (int i = tid; i < 2 * staged; i += threads)
+                stage_q[i] = __ldg(reinterpret_cast<const int4*>(qa) + 2 * ((u64)(stage_begin + i / 2) * M + m0) + i % 2);
+            for (int i = tid; i < staged; i += threads) {
+                const u64 at = (u64)(stage_begin + i) * M + m0;
+                stage_ds[i] = make_int2(__float_as_int(__ldg(da + at)), __ldg(sa + at));
+            }
+            __syncthreads();
+        }
         float acc[MT][CPT];
 #pragma unroll
         for (int r = 0; r < MT; ++r)
@@ -558,7 +582,11 @@ __global__ void gemv_partial(GEMV_PARAMS) {
 #pragma unroll
                         for (int r = 0; r < MT; ++r) {
                             if (r < rows) {
-                                const ActivationRow x = ROW_AHEAD ? act[i] : ActivationRow::load(qa, da, sa, (u64)b * M + m0 + r);
+                                const int j = b - stage_begin;
+                                const ActivationRow x = ROW_AHEAD ? act[i]
+                                                      : STAGE ? ActivationRow{stage_q[2 * j], stage_q[2 * j + 1],
+                                                                              __int_as_float(stage_ds[j].x), stage_ds[j].y}
+                                                              : ActivationRow::load(qa, da, sa, (u64)b * M + m0 + r);
                                 const RowBlock<CB> row = RowBlock<CB>::of(x.d_a, x.s_a);
 #pragma unroll
                                 for (int c = 0; c < CC; ++c) {
@@ -616,6 +644,19 @@ __global__ void gemv_partial(GEMV_PARAMS) {
     }
     if constexpr (GRID_SPLIT)
         fold_last<FOLD_FLOATS_DP4A>(ws, out, S, M, N, blockIdx.x * blockDim.x * CPT, blockDim.x * CPT);
+}
+
+// 512 threads at most (direct: threads x S <= 512) caps registers at 128 so every launch fits an SM.
+template <int CB, int CPT, int MT, bool GRID_SPLIT>
+__global__ void gemv_partial(GEMV_PARAMS) {
+    dp4a_partial<CB, CPT, MT, GRID_SPLIT, false>(payload, high, scale, minv, sub, qa, da, sa, M, N, KB, width, out, ws);
+}
+
+// The staged twin at M = 1 (kernels.registry: a candidate's `staged`), with the dynamic shared memory of
+// Candidate.shared_bytes.
+template <int CB, int CPT, bool GRID_SPLIT>
+__global__ void gemv_staged(GEMV_PARAMS) {
+    dp4a_partial<CB, CPT, 1, GRID_SPLIT, true>(payload, high, scale, minv, sub, qa, da, sa, M, N, KB, width, out, ws);
 }
 
 // Tensor-core engine, a launch choice of wide (S = 1) and kpar (GRID_SPLIT): mma.sync m16n8k32 s8 yields a

@@ -88,6 +88,8 @@ class Simulator:
                                          array)
         if failed == 1:
             raise KeyError(f"{name} is not built into this simulator")
+        if failed == 3:
+            raise RuntimeError(f"{name}: a CTA wrote past its {shared} bytes of dynamic shared memory")
         if failed:
             raise RuntimeError(f"{name}: the threads of a CTA deadlocked at barriers")
 
@@ -107,7 +109,7 @@ class Simulator:
         if candidate.grid_split and ws is None:  # zero tickets, NaN partials
             ws = launch.new_workspace(candidate.workspace_bytes(m, n, k), n, np)
         name = candidate.kernel_name(packed.codebook, m)
-        self.launch(name, grid, block, candidate.shared_bytes(m),
+        self.launch(name, grid, block, candidate.shared_bytes(m, k),
                     [*map(pointer, planes), pointer(q), pointer(d), pointer(s), *map(pointer, ints), pointer(out),
                      pointer(ws if candidate.grid_split else None)])
         if candidate.grid_split and ws[: ticket_words(n)].view(np.uint32).any():

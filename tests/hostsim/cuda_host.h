@@ -27,6 +27,8 @@
 struct uint4 { unsigned x, y, z, w; };
 struct int4 { int x, y, z, w; };
 struct uint2 { unsigned x, y; };
+struct int2 { int x, y; };
+inline int2 make_int2(int x, int y) { return int2{x, y}; }
 struct float2 { float x, y; };
 inline float2 make_float2(float x, float y) { return float2{x, y}; }
 struct dim3 { unsigned x = 1, y = 1, z = 1; };
@@ -142,17 +144,21 @@ inline void run_thread() {
 
 constexpr size_t STACK_BYTES = 64 * 1024;
 
+enum Outcome { DONE = 0, DEADLOCK = 2, PAST_SHARED = 3 };
+constexpr size_t GUARD_BYTES = 64;  // behind the dynamic shared memory, each set to GUARD: a write there is reported
+constexpr unsigned char GUARD = 0xA5;
+
 // Run `kernel` over the grid: one fiber per CUDA thread, CTAs in order, `shared` bytes of dynamic shared memory
-// per CTA. Returns after the last CTA, or false at once when the threads of a CTA deadlock at barriers (a GPU
-// would hang).
-inline bool launch(Kernel kernel, dim3 grid, dim3 block, size_t shared, void* const* args) {
+// per CTA. DONE after the last CTA; DEADLOCK at once when the threads of a CTA deadlock at barriers (a GPU would
+// hang); PAST_SHARED when a CTA wrote past the launch's dynamic shared memory.
+inline Outcome launch(Kernel kernel, dim3 grid, dim3 block, size_t shared, void* const* args) {
     const unsigned count = block.x * block.y * block.z;
     Launch here;
     here.kernel = kernel, here.args = args;
     here.threads.resize(count);
     std::vector<std::vector<unsigned char>> stacks(count, std::vector<unsigned char>(STACK_BYTES));
     std::vector<Warp> warps((count + 31) / 32);
-    std::vector<unsigned char> memory(shared + 16);
+    std::vector<unsigned char> memory(shared + GUARD_BYTES, GUARD);
     Group cta;
     Launch* outer = running;
     running = &here;
@@ -185,12 +191,14 @@ inline bool launch(Kernel kernel, dim3 grid, dim3 block, size_t shared, void* co
                     }
                     if (busy && !ran) {  // every live thread waits at a barrier the others never reach
                         running = outer;
-                        return false;
+                        return DEADLOCK;
                     }
                 }
             }
     running = outer;
-    return true;
+    for (size_t i = shared; i < memory.size(); ++i)
+        if (memory[i] != GUARD) return PAST_SHARED;
+    return DONE;
 }
 
 }  // namespace hostsim
@@ -220,6 +228,7 @@ inline unsigned atomicAdd(unsigned* p, unsigned v) {  // no two fibers run at on
 inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
 inline float __uint_as_float(unsigned i) { float f; std::memcpy(&f, &i, 4); return f; }
 inline unsigned __float_as_uint(float f) { unsigned i; std::memcpy(&i, &f, 4); return i; }
+inline int __float_as_int(float f) { int i; std::memcpy(&i, &f, 4); return i; }
 
 // prmt.b32 (default mode): byte i of the result is byte s_i & 7 of {b, a} (a bytes 0-3), or with s_i & 8 that
 // byte's sign replicated.
