@@ -30,7 +30,7 @@ from gemv_dispatch.dispatch.certify import (
     sha256,
 )
 from gemv_dispatch.dispatch.corpus import gpu_slug
-from gemv_dispatch.dispatch.policy import CANONICAL_WIDE, Policy
+from gemv_dispatch.dispatch.policy import CANONICAL_WIDE, Policy, canonical_kpar
 from gemv_dispatch.kernels import registry
 from gemv_dispatch.kernels.errors import BLOCK, InputError
 
@@ -131,9 +131,7 @@ def context(policy: Policy, inventories: str) -> dict[str, Any]:
                        for c in candidates],
         "canonical_wide": index[CANONICAL_WIDE],
         # canonical(i, k) for i > 1: the dp4a kpar t128 c1 launches, in registry order (policy.canonical).
-        "canonical_kpar": [i for i, c in enumerate(candidates)
-                           if c.family == "kpar" and c.threads == 128 and c.cpt == 1 and not c.mma_tiles
-                           and not c.staged],
+        "canonical_kpar": [i for i, c in enumerate(candidates) if canonical_kpar(c)],
         "identity_tree": _tree(policy.identity_tree, RENDERED_IDENTITY_FEATURES, None),
         "launch_tree": _tree(policy.launch_tree, RENDERED_LAUNCH_FEATURES, index),
         "identity_overlays": sorted((cb_index[cb], n, k, ident)

@@ -73,6 +73,11 @@ def candidate_table() -> list[dict[str, Any]]:
              "mma_tiles": c.mma_tiles, "staged": c.staged} for c in CANDIDATES]
 
 
+def canonical_kpar(c: Candidate) -> bool:
+    """A canonical launch of an identity > 1: dp4a kpar of 128 threads, one output each, unstaged (valid at every M)."""
+    return c.family == "kpar" and c.threads == 128 and c.cpt == 1 and not c.mma_tiles and not c.staged
+
+
 def canonical(identity: int, n: int, k: int) -> Candidate | None:
     """The canonical candidate of an identity for (N, K), or None when the identity is not available there.
 
@@ -81,9 +86,7 @@ def canonical(identity: int, n: int, k: int) -> Candidate | None:
     if identity == 1:
         return BY_ID[CANONICAL_WIDE]
     for c in CANDIDATES:
-        if (c.family == "kpar" and c.threads == 128 and c.cpt == 1 and not c.mma_tiles and not c.staged
-                and c.identity(k) == identity
-                and c.valid(1, n, k)):
+        if canonical_kpar(c) and c.identity(k) == identity and c.valid(1, n, k):
             return c
     return None
 

@@ -56,6 +56,13 @@ def test_the_ticket_count_is_the_registrys():
     assert all(eval(expression, {"N": n}) == registry.ticket_words(n) for n in range(1, 5000))
 
 
+def test_a_staged_block_is_the_registrys():
+    """gemv_staged lays out STAGED_BLOCK_BYTES per activation block (its static_assert ties them to the layout);
+    Candidate.shared_bytes allocates the registry's figure, so the two must agree."""
+    staged = re.search(r"constexpr int STAGED_BLOCK_BYTES = (\d+);", program.source())
+    assert staged is not None and int(staged.group(1)) == registry.STAGED_BLOCK_BYTES
+
+
 def test_the_thread_limit_follows_the_register_cap():
     """No CTA of more threads than the register file holds at --maxrregcount: a launch of such a CTA fails."""
     assert registry.MAX_CTA_THREADS * program.MAX_REGISTERS == registry.REGISTER_FILE

@@ -484,6 +484,11 @@ struct ActivationRow {
         return ActivationRow{__ldg(reinterpret_cast<const int4*>(qa) + 2 * at),
                              __ldg(reinterpret_cast<const int4*>(qa) + 2 * at + 1), __ldg(da + at), __ldg(sa + at)};
     }
+
+    // Staged block j of a CTA (gemv_staged): rows q[2j], q[2j+1], then {d_a bits, s_a} at ds[j].
+    static __device__ __forceinline__ ActivationRow staged(const int4* q, const int2* ds, int j) {
+        return ActivationRow{q[2 * j], q[2 * j + 1], __int_as_float(ds[j].x), ds[j].y};
+    }
 };
 
 // A block of one activation row staged in shared memory (gemv_staged): its 32 int8 values, then {d_a bits, s_a}
@@ -582,10 +587,8 @@ __device__ __forceinline__ void dp4a_partial(GEMV_PARAMS) {
 #pragma unroll
                         for (int r = 0; r < MT; ++r) {
                             if (r < rows) {
-                                const int j = b - stage_begin;
                                 const ActivationRow x = ROW_AHEAD ? act[i]
-                                                      : STAGE ? ActivationRow{stage_q[2 * j], stage_q[2 * j + 1],
-                                                                              __int_as_float(stage_ds[j].x), stage_ds[j].y}
+                                                      : STAGE ? ActivationRow::staged(stage_q, stage_ds, b - stage_begin)
                                                               : ActivationRow::load(qa, da, sa, (u64)b * M + m0 + r);
                                 const RowBlock<CB> row = RowBlock<CB>::of(x.d_a, x.s_a);
 #pragma unroll
