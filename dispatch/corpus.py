@@ -481,9 +481,11 @@ class _Folder:
         return Manifest({**self.manifest.shards, **{s.name: s.entry for s in self.staged}})
 
     def actions(self) -> list[str]:
-        return ([f"removed unfinished temp file {name}" for name in self.temps]
-                + [f"removed compacted shard {name}" for name in self.retired]
-                + [f"adopted shard {s.name} written before the manifest listed it" for s in self.staged])
+        """One line per kind of action: a resumed sweep adopts a shard per cell, thousands of them."""
+        kinds = (("removed unfinished temp files", list(self.temps)), ("removed compacted shards", list(self.retired)),
+                 ("adopted shards written before the manifest listed them", [s.name for s in self.staged]))
+        return [f"{what}: {names[0]}" if len(names) == 1 else f"{what}: {len(names)} ({names[0]} … {names[-1]})"
+                for what, names in kinds if names]
 
 
 def _scan(folder: Path, *, adopt: bool) -> _Folder:

@@ -408,6 +408,17 @@ def test_good_rows_written_by_the_test_helper_load(tmp_path):
     assert len(loaded.records) == 2 and len(actions) == 1
 
 
+def test_recover_reports_each_kind_of_action_in_one_line(tmp_path):
+    """A resumed sweep adopts one staged shard per cell: the report names their count, not every file."""
+    folder = new_folder(tmp_path)
+    shard_with(folder, [good_row()])
+    for candidate in ("wide.s1.t256.c1", "wide.s1.t128.c2", "wide.s1.t128.mma2"):
+        shard_with(folder, [good_row(candidate=candidate)], listed=False)
+    loaded, actions = corpus.recover(folder)
+    assert len(loaded.records) == 4
+    assert len(actions) == 1 and actions[0].startswith("adopted shards written before the manifest listed them: 3 (")
+
+
 def test_a_cell_is_done_only_when_every_candidate_has_a_record(tmp_path):
     folder = new_folder(tmp_path)
     full, partial, raced = cells()[:3]
