@@ -11,7 +11,7 @@ import math
 import sys
 from pathlib import Path
 
-from gemv_dispatch.kernels.codebooks import SUPERBLOCK
+from gemv_dispatch.kernels.codebooks import SUPERBLOCK, get
 
 LARGE_BYTES = 64e6  # "shapes >= 64 MB" of the M = 1 target
 BIG_Q4_0_BYTES = 30e6  # the M = 16 target's "anchors with >= 30 MB of Q4_0 weights"
@@ -69,9 +69,13 @@ def targets(data: dict) -> list[tuple[str, str, bool]]:
         + (f", +{r['us'] - floor['cold_word']:.2f}" if floor else "") + ")"
         + (f" / {r['stream_us']:.2f} µs" if strm else "") for r in small),
         all(r["us"] - r["ceiling_us"] <= 1.5 for r in small)))
-    e2e = {name: t["cublas_fp16"] / t["ours"] for name, t in data["end_to_end_us"].items() if name.endswith("M=1")}
-    found.append(("end-to-end decode, M = 1, ≥ 2.5× cuBLAS fp16",
-                  ", ".join(f"{n[:-4]} {x:.2f}×" for n, x in e2e.items()), all(x >= 2.5 for x in e2e.values())))
+    # The 2.5x target is Q4_0's: at 8.5 bits per weight, Q8_0 can reach only fp16's 16 bits / 8.5 = 1.88x.
+    e2e = {name[:-4]: t["cublas_fp16"] / t["ours"] for name, t in data["end_to_end_us"].items() if name.endswith("M=1")}
+    bound = {cb: 2 * get(cb).weights / get(cb).block_bytes for cb in e2e}  # fp16's bytes per weight over theirs
+    found.append(("end-to-end decode, M = 1, Q4_0 ≥ 2.5× cuBLAS fp16 (other codebooks: in brackets the bound "
+                  "their bytes per weight set against fp16's 2)", ", ".join(
+                      f"{cb} {x:.2f}×" + ("" if cb == "Q4_0" else f" (≤ {bound[cb]:.2f}×)") for cb, x in e2e.items()),
+                  e2e["Q4_0"] >= 2.5))
     return found
 
 

@@ -81,6 +81,20 @@ NCU_CELLS = ["Q4_0:1:4096:4096:direct.s16.t8.c1", "Q4_0:1:1024:4096:direct.s32.t
              "Q4_0:16:151936:4096:wide.s1.t128.mma4", "Q8_0:16:14336:4096:kpar.s4.t128.mma2"]
 
 
+def test_end_to_end_target_is_q4_0s_and_other_codebooks_show_their_byte_bound():
+    """2.5x cuBLAS fp16 is Q4_0's target: Q8_0's 34 bytes per 32 weights cap it at 2 / (34 / 32) = 1.88x, shown beside
+    its ratio. Negative control: Q4_0's ratio moved below 2.5x flips the verdict."""
+    targets = bench_script("kernels_report").targets
+    data = json.loads((REPO / RESULTS).read_text())
+    (label, measured, met), = [t for t in targets(data) if t[0].startswith("end-to-end decode, M = 1")]
+    q4 = data["end_to_end_us"]["Q4_0 M=1"]
+    assert met == (q4["cublas_fp16"] / q4["ours"] >= 2.5)
+    assert "Q8_0" in measured and "(≤ 1.88×)" in measured
+    slower = copy.deepcopy(data)
+    slower["end_to_end_us"]["Q4_0 M=1"]["ours"] = q4["cublas_fp16"] / 2.4
+    assert [t[2] for t in targets(slower) if t[0] == label] == [False]
+
+
 def test_ncu_summary_of_the_committed_log():
     """bench/ncu_summary.py gives the notes' ncu table from the committed log; cells in another order are refused
     (each cell's grid is checked against the kernels the log holds)."""
