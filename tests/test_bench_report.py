@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ def bench_script(name: str):
         pytest.skip("bench/ is not part of this tree (an installed package without the checkout)")
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # before it runs: dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 

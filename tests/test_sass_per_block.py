@@ -1,0 +1,54 @@
+"""bench/sass_per_block.py: which loop of a SASS listing is the main loop, and its instructions per block. The
+listing is written here (cuobjdump is not part of CI's toolkit); the real counts are in bench/NOTES.md."""
+
+from __future__ import annotations
+
+from test_bench_report import bench_script
+
+
+def listing(body: list[str], outer_extra: int = 3) -> str:
+    """One function: a prologue, an outer loop around an inner loop of `body`, an epilogue."""
+    lines = ["        Function : _Z12gemv_partialILi5ELi1ELi1ELb0EEvPKj", '        .headerflags    @"EF_CUDA_SM90"']
+    at = 0
+
+    def emit(text: str) -> int:
+        nonlocal at
+        lines.append(f"        /*{at:04x}*/                   {text} ;   /* 0x000000000000794d */")
+        at += 0x10
+        return at - 0x10
+
+    emit("S2R R0, SR_TID.X")
+    outer = emit("IMAD R1, R0, 0x4, RZ")
+    inner = emit("LDG.E.128.CONSTANT R4, desc[UR8][R50.64]")
+    for text in body:
+        emit(text)
+    emit(f"@!P0 BRA 0x{inner:x}")
+    for _ in range(outer_extra):
+        emit("IDP.4A.S8.S8 R9, R4, R5, R9")  # dp4a outside the inner loop: must not count
+    emit(f"@P1 BRA 0x{outer:x}")
+    emit("EXIT")
+    return "\n".join(lines)
+
+
+def test_the_innermost_loop_with_a_blocks_dp4a_is_counted():
+    sass = bench_script("sass_per_block")
+    body = ["IDP.4A.S8.S8 R8, R4, R12, R8"] * 16 + ["LOP3.LUT R4, R4, 0xf0f0f0f, RZ, 0xc0, !PT"] * 6
+    (count,) = sass.count(listing(body))
+    assert count.kernel == "gemv_partial<5, 1, 1, false>"
+    assert count.instructions == 1 + len(body) + 1  # the load, the body, the branch back
+    assert count.blocks == 2 and count.per_block == 12
+    assert count.ops == {"IDP": 16, "LOP3": 6, "LDG": 1, "BRA": 1}
+
+
+def test_a_loop_without_a_blocks_dp4a_is_not_the_main_loop():
+    """Negative control: with 7 IDP the inner loop does not qualify, so the outer one (with 3 more) is taken."""
+    sass = bench_script("sass_per_block")
+    (count,) = sass.count(listing(["IDP.4A.S8.S8 R8, R4, R12, R8"] * 7))
+    assert count.ops["IDP"] == 10 and count.ops["BRA"] == 2
+    assert sass.count(listing(["IMAD R2, R2, 0x3, RZ"], outer_extra=0)) == []
+
+
+def test_opcode_drops_predicate_and_modifiers():
+    sass = bench_script("sass_per_block")
+    assert sass.opcode("@!P0 LDG.E.128.CONSTANT R4, desc[UR8][R50.64]") == "LDG"
+    assert sass.opcode("@UP1 UMOV UR4, 0x1") == "UMOV" and sass.opcode("IDP.4A.S8.S8 R8, R4, R12, R8") == "IDP"
