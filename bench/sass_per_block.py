@@ -89,7 +89,7 @@ def disassemble(names: list[str], cuobjdump: str, text: str | None = None) -> st
         unit, cubin = Path(tmp) / "unit.cu", Path(tmp) / "unit.cubin"
         unit.write_text(program.explicit_instantiations(names, text))
         subprocess.run(["nvcc", "-arch=sm_90", "-cubin", *program.CONTRACT_OPTIONS, *program.FORCED_BY_CUPY,
-                        "-o", str(cubin), str(unit)], check=True, capture_output=True)
+                        "-o", str(cubin), str(unit)], check=True, capture_output=True, text=True)
         return subprocess.run([cuobjdump, "-sass", str(cubin)], check=True, capture_output=True, text=True).stdout
 
 
