@@ -391,7 +391,8 @@ def test_gpu_lock_refuses_a_second_holder_and_names_its_pid(locks):
 def test_a_second_sweep_on_one_gpu_is_refused_or_waits(source, shapes, locks, tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom gemv_dispatch.dispatch import gpulock\n"
                                f"with gpulock.hold({LockingReplay.lock_key!r}):\n print('held', flush=True)\n"
-                               " time.sleep(float(sys.argv[1]))", "1.5"], stdout=subprocess.PIPE, text=True)
+                               " time.sleep(float(sys.argv[1]))\n print('releasing', time.time(), flush=True)", "1.5"],
+                              stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline() == "held\n"
         plan = parse_plan("Q4_0,Q8_0", "1,4", "graph,eager", [shapes])
@@ -400,7 +401,11 @@ def test_a_second_sweep_on_one_gpu_is_refused_or_waits(source, shapes, locks, tm
         assert not (tmp_path / SLUG).exists()  # refused before anything was written
         start = time.monotonic()
         result = run_sweep(plan, tmp_path, LockingReplay(load(source)), wait=True)
-        assert result.timed == len(cells()) and holder.poll() is not None and time.monotonic() - start > 0.3
+        finished = time.time()
+        # The waiting sweep ended after the holder's last moment with the lock (not after its exit, which a loaded
+        # machine can delay past the sweep's end).
+        releasing = float(holder.stdout.readline().split()[1])
+        assert result.timed == len(cells()) and releasing <= finished and time.monotonic() - start > 0.3
     finally:
         holder.kill()
         holder.wait()
