@@ -3,7 +3,7 @@
     python bench/sass_per_block.py "gemv_partial<5, 1, 1, false>" ["gemv_partial<7, 2, 1, false>" ...]
         [--source OLD.cu ...] [--cuobjdump PATH] [--json]
 
-nvcc builds the instantiations with the contract's options (as kernels.ptxas does), for the package's kernel
+kernels.ptxas.compile_report builds the instantiations (the compile check's nvcc command) for the package's kernel
 source and each --source; cuobjdump -sass disassembles them. cuobjdump is not part of every CUDA install: `pip
 download nvidia-cuda-cuobjdump` brings it (bin/cuobjdump in the wheel). The main loop is the innermost backward
 branch holding at least one block's dp4a instructions (8 IDP per 32-element block); blocks per iteration = its
@@ -23,7 +23,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from gemv_dispatch.kernels import program, ptxas
+from gemv_dispatch.kernels import ptxas
 from gemv_dispatch.kernels.registry import instantiations
 
 DP4A_PER_BLOCK = 8  # 32 int8 products, 4 per IDP
@@ -84,12 +84,11 @@ def count(dump: str) -> list[LoopCount]:
 
 
 def disassemble(names: list[str], cuobjdump: str, text: str | None = None) -> str:
-    """SASS of the instantiations `names` of a kernel source (default: the package's), built for sm_90."""
+    """SASS of the instantiations `names` of a kernel source (default: the package's), built for sm_90 as the
+    compile check builds them (kernels.ptxas.compile_report)."""
     with tempfile.TemporaryDirectory() as tmp:
-        unit, cubin = Path(tmp) / "unit.cu", Path(tmp) / "unit.cubin"
-        unit.write_text(program.explicit_instantiations(names, text))
-        subprocess.run(["nvcc", "-arch=sm_90", "-cubin", *program.CONTRACT_OPTIONS, *program.FORCED_BY_CUPY,
-                        "-o", str(cubin), str(unit)], check=True, capture_output=True, text=True)
+        cubin = Path(tmp) / "unit.cubin"
+        cubin.write_bytes(ptxas.compile_report(names, "sm_90", text).cubin)
         return subprocess.run([cuobjdump, "-sass", str(cubin)], check=True, capture_output=True, text=True).stdout
 
 
@@ -107,8 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     sources = {"package": None, **{str(p): p.read_text() for p in args.source}}
     try:
         results = {tag: count(disassemble(args.kernels, args.cuobjdump, text)) for tag, text in sources.items()}
-    except subprocess.CalledProcessError as failed:
-        print(f"error: {Path(failed.cmd[0]).name} failed: {failed.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
+    except (RuntimeError, subprocess.CalledProcessError) as failed:  # nvcc (compile_report) or cuobjdump
+        text = failed.stderr if isinstance(failed, subprocess.CalledProcessError) else str(failed)
+        print(f"error: {([line for line in text.splitlines() if line.strip()] or ['failed'])[-1]}", file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps({tag: [asdict(c) | {"per_block": c.per_block} for c in cs] for tag, cs in results.items()}))

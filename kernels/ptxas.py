@@ -73,6 +73,7 @@ def parse_report(text: str) -> list[KernelResources]:
 class Build:
     resources: list[KernelResources]
     ptx: str  # the PTX the cubin was assembled from
+    cubin: bytes  # the assembled kernels (for a disassembler: bench/sass_per_block.py)
 
 
 def compile_report(kernel_names: list[str], arch: str = "sm_90", text: str | None = None) -> Build:
@@ -90,7 +91,8 @@ def compile_report(kernel_names: list[str], arch: str = "sm_90", text: str | Non
         if done.returncode:
             raise RuntimeError(f"nvcc failed ({done.returncode}):\n{done.stderr[-4000:]}")
         ptx = "".join(p.read_text() for p in Path(tmp).glob("*.ptx"))
-    return Build(parse_report(done.stderr + done.stdout), ptx)
+        cubin = (Path(tmp) / "out.cubin").read_bytes()
+    return Build(parse_report(done.stderr + done.stdout), ptx, cubin)
 
 
 JOBS = min(16, os.cpu_count() or 1)  # parallel nvcc processes: nvcc is single-threaded, ~0.2 s per instantiation

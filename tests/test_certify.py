@@ -109,7 +109,7 @@ def test_spill_check_reads_spills_as_failures(monkeypatch):
 
     spilled = KernelResources("gemv_partial<0, 1, 1, false>", 255, 16, 8, 12)
     monkeypatch.setattr(certify.shutil, "which", lambda name: "/usr/bin/nvcc")
-    monkeypatch.setattr(ptxas, "compile_report", lambda names, arch, text=None: ptxas.Build([spilled], ""))
+    monkeypatch.setattr(ptxas, "compile_report", lambda names, arch, text=None: ptxas.Build([spilled], "", b""))
     tally = Tally()
     assert certify.check_spill_free(["gemv_partial<0, 1, 1, false>"], "sm_90", tally) is None
     assert tally.failed == 1 and "spill" in tally.failures[0]

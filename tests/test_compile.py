@@ -32,6 +32,7 @@ def test_every_instantiation_compiles_spill_free_for_sm90():
     assert all(0 < r.registers <= cap for r in report), f"--maxrregcount={cap} caps registers"
     # CuPy builds with -ftz=true: the contract's float operations must not be flushing variants.
     assert build.ptx.count(".entry") == len(report)
+    assert build.cubin[:4] == b"\x7fELF"  # the assembled kernels, for bench/sass_per_block.py
     flushing = sorted({line.split()[0] for line in build.ptx.splitlines() if ".ftz" in line})
     assert not flushing, f"flush-to-zero instructions in the PTX: {flushing}"
 
