@@ -11,7 +11,8 @@ comes from one run. First every version's instantiations of the family are compi
 contract's options): a version that spills is refused (the certificate's spill_free check would refuse its table
 after a whole sweep), and the registers of each go into the report. Before timing, every version's output is
 compared byte for byte with the tree's, and a kpar launch must leave its tickets zero: sources that disagree are
-refused, with the cell and candidate named.
+refused, with the cell and candidate named. Each cell's line is printed, and --out rewritten, as soon as it is
+timed, so a run cut by a time limit keeps what it finished.
 """
 
 from __future__ import annotations
@@ -87,18 +88,17 @@ def registers(texts: dict[str, str], family: str, codebooks: list[str], ms: list
     return found
 
 
-def report(rows: list[dict[str, Any]], tags: list[str]) -> None:
-    """Per cell: the best candidate of each version, and its time over the baseline's best."""
-    base = tags[0]
-    cells: dict[tuple, list[dict[str, Any]]] = {}
-    for r in rows:
-        cells.setdefault((r["codebook"], r["m"], r["n"], r["k"]), []).append(r)
-    print(f"{'cell':24s} " + " ".join(f"{'best ' + t:>26s}" for t in tags) + "   best / best " + base)
-    for (cb, m, n, k), rs in cells.items():
-        bests = {t: min(rs, key=lambda r, t=t: r["us"][t]) for t in tags}
-        print(f"{cb} M={m:<2d} {n}x{k:<11d} "
-              + " ".join(f"{bests[t]['candidate']:>18s} {bests[t]['us'][t]:7.1f}" for t in tags) + "   "
-              + " ".join(f"{bests[t]['us'][t] / bests[base]['us'][base]:.3f}" for t in tags[1:]))
+def header(tags: list[str]) -> str:
+    return f"{'cell':24s} " + " ".join(f"{'best ' + t:>26s}" for t in tags) + "   best / best " + tags[0]
+
+
+def cell_line(rows: list[dict[str, Any]], tags: list[str]) -> str:
+    """One cell's rows: the best candidate of each version, and its time over the baseline's best."""
+    r0, base = rows[0], tags[0]
+    bests = {t: min(rows, key=lambda r, t=t: r["us"][t]) for t in tags}
+    return (f"{r0['codebook']} M={r0['m']:<2d} {r0['n']}x{r0['k']:<11d} "
+            + " ".join(f"{bests[t]['candidate']:>18s} {bests[t]['us'][t]:7.1f}" for t in tags) + "   "
+            + " ".join(f"{bests[t]['us'][t] / bests[base]['us'][base]:.3f}" for t in tags[1:]))
 
 
 def main() -> None:
@@ -116,20 +116,23 @@ def main() -> None:
     tags = [*texts, TREE]
     codebooks, ms = args.codebooks.split(","), [int(m) for m in args.ms.split(",")]
     regs = registers(texts | {TREE: program.source()}, args.family, codebooks, ms)
-    rows = []
+    rows: list[dict[str, Any]] = []
+    print(header(tags), flush=True)
     for codebook in codebooks:
         names = list(kernel_names(codebook))
         modules = {tag: cp.RawModule(code=text, options=program.CONTRACT_OPTIONS, name_expressions=names)
                    for tag, text in texts.items()} | {TREE: None}
         for m in ms:
             for n, k in ANCHORS:
-                rows += time_cell(modules, codebook, m, n, k, args.family, stream, l2)
-                print(f"{codebook} M={m:2d} {n:6d}x{k:<6d} timed", flush=True)
-    report(rows, tags)
-    if args.out:
-        result = {"sources": [str(p) for p in args.sources], "config": asdict(CONFIG), "registers": regs,
-                  "rows": rows, "seconds": time.time() - started}
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+                cell = time_cell(modules, codebook, m, n, k, args.family, stream, l2)
+                rows += cell
+                print(cell_line(cell, tags), flush=True)
+                if args.out:  # after every cell: a run cut by its time limit keeps the cells it finished
+                    result = {"sources": [p.name for p in args.sources], "config": asdict(CONFIG), "registers": regs,
+                              "rows": rows, "seconds": time.time() - started}
+                    partial = args.out.with_suffix(".partial")
+                    partial.write_text(json.dumps(result, indent=1) + "\n")
+                    partial.replace(args.out)
 
 
 if __name__ == "__main__":
