@@ -1,13 +1,15 @@
-"""Instructions per weight block in the main loop of dp4a-engine kernels, from their sm_90 SASS (no GPU needed).
+"""Instructions per unit of work in the main loop of GEMV kernels, from their sm_90 SASS (no GPU needed): per
+weight block for the dp4a engine, per mma for the tensor-core engine.
 
-    python bench/sass_per_block.py "gemv_partial<5, 1, 1, false>" ["gemv_partial<7, 2, 1, false>" ...]
+    python bench/sass_per_block.py "gemv_partial<5, 1, 1, false>" ["gemv_mma<0, 2, 1, false, 128>" ...]
         [--source OLD.cu ...] [--cuobjdump PATH] [--json]
 
 kernels.ptxas.compile_report builds the instantiations (the compile check's nvcc command) for the package's kernel
 source and each --source; cuobjdump -sass disassembles them. cuobjdump is not part of every CUDA install: `pip
 download nvidia-cuda-cuobjdump` brings it (bin/cuobjdump in the wheel). The main loop is the innermost backward
-branch holding at least one block's dp4a instructions (8 IDP per 32-element block); blocks per iteration = its
-IDP count / 8. These are static counts: what the loop issues per block, not how long it waits.
+branch holding an mma (IMMA) or at least one block's dp4a instructions (8 IDP per 32-element block); its units are
+its IMMA count, else its IDP count / 8 (blocks). The ring's loop holds its three chunk variants, so its figure is
+their mean. These are static counts: what the loop issues per unit, not how long it waits.
 """
 
 from __future__ import annotations
@@ -36,12 +38,13 @@ _BRANCH = re.compile(r"\bBRA (0x[0-9a-f]+)")
 class LoopCount:
     kernel: str  # source-level name, e.g. "gemv_partial<5, 1, 1, false>"
     instructions: int  # in the main loop's body
-    blocks: float  # weight blocks per iteration
+    units: float  # per iteration: mma instructions, or weight blocks of dp4a instructions
+    unit: str  # "mma" or "block"
     ops: dict[str, int]  # opcode (without modifiers or predicate) -> count in the body
 
     @property
-    def per_block(self) -> float:
-        return self.instructions / self.blocks
+    def per_unit(self) -> float:
+        return self.instructions / self.units
 
 
 def opcode(instruction: str) -> str:
@@ -61,14 +64,22 @@ def functions(dump: str) -> dict[str, list[tuple[int, str]]]:
     return found
 
 
+def work(ops: collections.Counter[str]) -> tuple[float, str] | None:
+    """(units, unit) of a loop body's opcode counts: its mma instructions, else its whole blocks of dp4a; None if
+    it holds neither."""
+    if ops["IMMA"]:
+        return ops["IMMA"], "mma"
+    return (ops["IDP"] / DP4A_PER_BLOCK, "block") if ops["IDP"] >= DP4A_PER_BLOCK else None
+
+
 def main_loop(code: list[tuple[int, str]]) -> list[str] | None:
-    """The innermost backward-branch loop with at least one block's dp4a instructions; None if there is none."""
+    """The innermost backward-branch loop that does work (an mma, or a block's dp4a); None if there is none."""
     best: list[str] | None = None
     for address, instruction in code:
         m = _BRANCH.search(instruction)
         if m and int(m.group(1), 16) < address:
             body = [text for at, text in code if int(m.group(1), 16) <= at <= address]
-            if sum(opcode(t) == "IDP" for t in body) >= DP4A_PER_BLOCK and (best is None or len(body) < len(best)):
+            if work(collections.Counter(map(opcode, body))) and (best is None or len(body) < len(best)):
                 best = body
     return best
 
@@ -77,9 +88,9 @@ def count(dump: str) -> list[LoopCount]:
     counts = []
     for name, code in functions(dump).items():
         if (body := main_loop(code)) is not None:
-            ops = collections.Counter(opcode(t) for t in body)
-            counts.append(LoopCount(ptxas.source_name(name), len(body), ops["IDP"] / DP4A_PER_BLOCK,
-                                    dict(ops.most_common())))
+            ops = collections.Counter(map(opcode, body))
+            units, unit = work(ops)  # type: ignore[misc]  # main_loop keeps only bodies that do work
+            counts.append(LoopCount(ptxas.source_name(name), len(body), units, unit, dict(ops.most_common())))
     return sorted(counts, key=lambda c: c.kernel)
 
 
@@ -111,15 +122,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {([line for line in text.splitlines() if line.strip()] or ['failed'])[-1]}", file=sys.stderr)
         return 1
     if args.json:
-        print(json.dumps({tag: [asdict(c) | {"per_block": c.per_block} for c in cs] for tag, cs in results.items()}))
+        print(json.dumps({tag: [asdict(c) | {"per_unit": c.per_unit} for c in cs] for tag, cs in results.items()}))
         return 0
     codebook = {name: cb for cb, name in instantiations()}
-    print(f"{'source':28} {'kernel':32} {'codebook':8} {'loop':>5} {'blocks':>6} {'/block':>7}  top opcodes")
+    print(f"{'source':28} {'kernel':32} {'codebook':8} {'loop':>5} {'units':>6} {'/unit':>7} {'unit':5}  top opcodes")
     for tag, cs in results.items():
         for c in cs:
             top = ", ".join(f"{op} {n}" for op, n in list(c.ops.items())[:6])
-            print(f"{tag[-28:]:28} {c.kernel:32} {codebook.get(c.kernel, '?'):8} {c.instructions:5} {c.blocks:6.1f} "
-                  f"{c.per_block:7.1f}  {top}")
+            print(f"{tag[-28:]:28} {c.kernel:32} {codebook.get(c.kernel, '?'):8} {c.instructions:5} {c.units:6.1f} "
+                  f"{c.per_unit:7.1f} {c.unit:5}  {top}")
     return 0
 
 

@@ -36,7 +36,7 @@ def test_the_innermost_loop_with_a_blocks_dp4a_is_counted():
     (count,) = sass.count(listing(body))
     assert count.kernel == "gemv_partial<5, 1, 1, false>"
     assert count.instructions == 1 + len(body) + 1  # the load, the body, the branch back
-    assert count.blocks == 2 and count.per_block == 12
+    assert (count.units, count.unit, count.per_unit) == (2, "block", 12)
     assert count.ops == {"IDP": 16, "LOP3": 6, "LDG": 1, "BRA": 1}
 
 
@@ -46,6 +46,15 @@ def test_a_loop_without_a_blocks_dp4a_is_not_the_main_loop():
     (count,) = sass.count(listing(["IDP.4A.S8.S8 R8, R4, R12, R8"] * 7))
     assert count.ops["IDP"] == 10 and count.ops["BRA"] == 2
     assert sass.count(listing(["IMAD R2, R2, 0x3, RZ"], outer_extra=0)) == []
+
+
+def test_an_mma_loop_is_counted_per_mma():
+    """The tensor-core engine's loop: its unit is the IMMA, which outranks dp4a in the same body."""
+    sass = bench_script("sass_per_block")
+    body = ["IMMA.16832.S8.S8 R8, R12.ROW, R4.COL, R8"] * 2 + ["FMUL R2, R3, R4"] * 8 + ["LDS R5, [R6]"] * 3
+    (count,) = sass.count(listing(body))
+    assert (count.units, count.unit) == (2, "mma") and count.per_unit == (1 + len(body) + 1) / 2
+    assert count.ops["IMMA"] == 2 and count.ops["BRA"] == 1  # the inner loop, not the outer one
 
 
 def test_opcode_drops_predicate_and_modifiers():
