@@ -72,26 +72,24 @@ def work(ops: collections.Counter[str]) -> tuple[float, str] | None:
     return (ops["IDP"] / DP4A_PER_BLOCK, "block") if ops["IDP"] >= DP4A_PER_BLOCK else None
 
 
-def main_loop(code: list[tuple[int, str]]) -> list[str] | None:
-    """The innermost backward-branch loop that does work (an mma, or a block's dp4a); None if there is none."""
-    best: list[str] | None = None
+def main_loop(name: str, code: list[tuple[int, str]]) -> LoopCount | None:
+    """The innermost backward-branch loop of function `name` that does work (an mma, or a block's dp4a), counted;
+    None if it has none."""
+    best: LoopCount | None = None
     for address, instruction in code:
         m = _BRANCH.search(instruction)
         if m and int(m.group(1), 16) < address:
             body = [text for at, text in code if int(m.group(1), 16) <= at <= address]
-            if work(collections.Counter(map(opcode, body))) and (best is None or len(body) < len(best)):
-                best = body
+            ops = collections.Counter(map(opcode, body))
+            if (found := work(ops)) and (best is None or len(body) < best.instructions):
+                best = LoopCount(ptxas.source_name(name), len(body), *found, dict(ops.most_common()))
     return best
 
 
 def count(dump: str) -> list[LoopCount]:
-    counts = []
-    for name, code in functions(dump).items():
-        if (body := main_loop(code)) is not None:
-            ops = collections.Counter(map(opcode, body))
-            units, unit = work(ops)  # type: ignore[misc]  # main_loop keeps only bodies that do work
-            counts.append(LoopCount(ptxas.source_name(name), len(body), units, unit, dict(ops.most_common())))
-    return sorted(counts, key=lambda c: c.kernel)
+    """The main loop of every function in a cuobjdump -sass listing that has one, by kernel name."""
+    found = (main_loop(name, code) for name, code in functions(dump).items())
+    return sorted((c for c in found if c is not None), key=lambda c: c.kernel)
 
 
 def disassemble(names: list[str], cuobjdump: str, text: str | None = None) -> str:

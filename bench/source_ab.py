@@ -89,6 +89,7 @@ def registers(texts: dict[str, str], family: str, codebooks: list[str], ms: list
 
 
 def header(tags: list[str]) -> str:
+    """The column titles of cell_line's lines."""
     return f"{'cell':24s} " + " ".join(f"{'best ' + t:>26s}" for t in tags) + "   best / best " + tags[0]
 
 

@@ -49,9 +49,10 @@ def test_a_loop_without_a_blocks_dp4a_is_not_the_main_loop():
 
 
 def test_an_mma_loop_is_counted_per_mma():
-    """The tensor-core engine's loop: its unit is the IMMA, which outranks dp4a in the same body."""
+    """The tensor-core engine's loop: its unit is the IMMA, which outranks a block's dp4a in the same body."""
     sass = bench_script("sass_per_block")
     body = ["IMMA.16832.S8.S8 R8, R12.ROW, R4.COL, R8"] * 2 + ["FMUL R2, R3, R4"] * 8 + ["LDS R5, [R6]"] * 3
+    body += ["IDP.4A.S8.S8 R8, R4, R12, R8"] * 8
     (count,) = sass.count(listing(body))
     assert (count.units, count.unit) == (2, "mma") and count.per_unit == (1 + len(body) + 1) / 2
     assert count.ops["IMMA"] == 2 and count.ops["BRA"] == 1  # the inner loop, not the outer one
