@@ -124,9 +124,9 @@ __device__ __forceinline__ float int_to_float(int i) { return (float)i; }
 __device__ __forceinline__ float negate(float x) { return __uint_as_float(__float_as_uint(x) ^ 0x80000000u); }
 
 // Bits 0..3 of h become bit 4 of bytes 0..3 (the fifth bit of four consecutive Q5 values).
-__device__ __forceinline__ u32 high_bits_to_bytes(u32 h) {
-    return ((h << 4) & 0x10u) | ((h << 11) & 0x1000u) | ((h << 18) & 0x100000u) | ((h << 25) & 0x10000000u);
-}
+// One multiply: bit j of (h & 15) lands at bits 4 + 7j + {0, 7, 14, 21}; the copies of the four bits occupy
+// disjoint bit ranges (4..7, 11..14, 18..21, 25..28), so the sum carries nowhere and bit 4 + 8j is bit j.
+__device__ __forceinline__ u32 high_bits_to_bytes(u32 h) { return ((h & 0xFu) * 0x02040810u) & 0x10101010u; }
 
 // IQ4_NL: the 16 int8 kvalues of the nibble table, little-endian in four words.
 __device__ __forceinline__ void iq4nl_lookup(u32 w, u32& lo, u32& hi) {
@@ -183,8 +183,9 @@ __device__ __forceinline__ void decode_paired(u32 w0, u32 w1, u32 h0, u32 h1, in
     lo = (int)l, hi = (int)h;
 }
 
-// The bit of Q5_K block j (of its super-block) for four consecutive elements, from their qh word, at bit 4.
-__device__ __forceinline__ u32 q5k_high(u32 qh, int j) { return ((qh >> j) & 0x01010101u) << 4; }
+// The bit of Q5_K block j (of its super-block) for four consecutive elements, from their qh word, at bit 4:
+// a rotation right by j - 4 (one funnel shift, no bit lost) moves bit j + 8i to bit 4 + 8i.
+__device__ __forceinline__ u32 q5k_high(u32 qh, int j) { return __funnelshift_r(qh, qh, (j - 4) & 31) & 0x10101010u; }
 // The two bits of Q6_K block u (of its quad) for four consecutive elements, from their qh word, at bits 4-5.
 __device__ __forceinline__ u32 q6k_high(u32 qh, int u) { return ((qh >> (2 * u)) & 0x03030303u) << 4; }
 
@@ -193,15 +194,14 @@ struct SubScales {
     u32 w[4];
 
     // Q4_K/Q5_K (GGUF get_scale_min): 6-bit scale and min of block j.
+    // Branch-free: j is no compile-time constant in the dp4a engine's loop, and a branch per block costs more
+    // than computing both forms and selecting.
     __device__ __forceinline__ void k6(int j, int& scale, int& min) const {
-        if (j < 4) {
-            scale = (w[0] >> (8 * j)) & 63, min = (w[1] >> (8 * j)) & 63;
-        } else {
-            const int s = 8 * (j - 4);
-            const u32 md = (w[2] >> s) & 0xFFu;
-            scale = (md & 0xF) | (((w[0] >> (s + 6)) & 3) << 4);
-            min = (md >> 4) | (((w[1] >> (s + 6)) & 3) << 4);
-        }
+        const int s = 8 * (j & 3);
+        const u32 sc = w[0] >> s, mn = w[1] >> s, md = w[2] >> s;
+        const bool low = j < 4;
+        scale = (int)(low ? sc & 63u : (md & 0xFu) | ((sc >> 2) & 0x30u));
+        min = (int)(low ? mn & 63u : ((md >> 4) & 0xFu) | ((mn >> 2) & 0x30u));
     }
     // IQ4_XS: w[0] = scales_h (16 bits), w[1] = scales_l (32 bits); the 6-bit scale minus 32 of block j.
     __device__ __forceinline__ int xs(int j) const {

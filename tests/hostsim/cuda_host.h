@@ -244,6 +244,11 @@ inline unsigned __byte_perm(unsigned a, unsigned b, unsigned s) {
     return r;
 }
 
+// shf.r.wrap.b32: the low 32 bits of {hi, lo} shifted right by shift & 31.
+inline unsigned __funnelshift_r(unsigned lo, unsigned hi, unsigned shift) {
+    return (unsigned)((((unsigned long long)hi << 32) | lo) >> (shift & 31));
+}
+
 inline float __shfl_xor_sync(unsigned, float v, int mask) {
     unsigned all[32][8];
     const unsigned mine[1] = {__float_as_uint(v)};
