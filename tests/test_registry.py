@@ -45,10 +45,12 @@ def test_both_engines_are_offered():
 
 
 def test_every_dp4a_launch_has_a_staged_twin_for_one_row():
-    """gemv_staged: each dp4a candidate's twin, valid at M = 1 only and where its staged blocks fit the shared memory
-    beside the partials (40 bytes a block: direct and wide all of K, kpar one partition)."""
+    """gemv_staged: each dp4a candidate's twin (but the two that won no cell of version 23's corpus), valid at M = 1
+    only and where its staged blocks fit the shared memory beside the partials (40 bytes a block: direct and wide all
+    of K, kpar one partition)."""
     twins = {dataclasses.replace(c, staged=False): c for c in CANDIDATES if c.staged}
-    assert set(twins) == {c for c in CANDIDATES if c.engine == "dp4a" and not c.staged}
+    untwinned = {c.id for c in CANDIDATES if c.engine == "dp4a" and not c.staged} - {c.id for c in twins}
+    assert untwinned == {"kpar.s64.t128.c1", "direct.s2.t32.c1"}
     direct = twins[next(c for c in twins if c.family == "direct" and c.ksplit == 16 and c.threads == 8)]
     assert direct.kernel_name("Q4_0", 1) == "gemv_staged<0, 1, false>"
     assert direct.shared_bytes(1, 4096) == 15 * 8 * 4 + 40 * 128
