@@ -341,12 +341,16 @@ def _regret_rows(options: Sequence[Any], rows: Iterable[tuple[list[int], Mapping
     return _Rows(np.asarray(xs, dtype=np.int64), np.asarray(ys), np.asarray(ws), np.asarray(us), np.asarray(fb))
 
 
-def _preference(rows: _Rows, idx: np.ndarray, options: Sequence[Any]) -> tuple[Any, ...]:
+def _preference(rows: _Rows, idx: np.ndarray, options: Sequence[Any],
+                ancestors: Sequence[np.ndarray] = ()) -> tuple[Any, ...]:
     """Ordered list for the rows `idx` of a leaf. Greedy first: repeatedly append the option that most lowers
     the weighted summed log regret of select's pick (first usable entry, else the canonical) until none
     helps; ties go to the earlier option (smaller identity, registry order). Then every other option by its
     weighted mean log regret in the leaf, so a shape where the leading entries cannot run (an unseen K
-    where a split is not effective) falls through to the next good one, not to the canonical candidate."""
+    where a split is not effective) falls through to the next good one, not to the canonical candidate.
+    An option no row of the leaf can run (an identity the leaf never saw) is ranked after those by its mean
+    over the rows that can run it in the nearest of `ancestors` (the leaf's ancestors' rows, nearest first)
+    that has some: else all such options would tie and fall back to registry order, whatever their speed."""
     y, usable, w = rows.y[idx], rows.usable[idx], rows.weight[idx]
     current = rows.fallback[idx].copy()
     open_ = np.ones(len(idx), dtype=bool)  # rows whose pick the list has not decided yet
@@ -361,8 +365,17 @@ def _preference(rows: _Rows, idx: np.ndarray, options: Sequence[Any]) -> tuple[A
         current = np.where(open_ & usable[:, j], y[:, j], current)
         open_ &= ~usable[:, j]
     mean = np.average(y, axis=0, weights=w)
-    rest = sorted((float(mean[j]), j) for j in range(len(options)) if options[j] not in chosen)
-    return (*chosen, *(options[j] for _, j in rest))
+
+    def rank(j: int) -> tuple[int, float]:
+        if usable[:, j].any():
+            return 0, float(mean[j])
+        for level, up in enumerate(ancestors, 1):
+            if (can := rows.usable[up, j]).any():
+                return level, float(np.average(rows.y[up[can], j], weights=rows.weight[up[can]]))
+        return len(ancestors) + 1, 0.0
+
+    rest = sorted((*rank(j), j) for j in range(len(options)) if options[j] not in chosen)
+    return (*chosen, *(options[j] for *_, j in rest))
 
 
 def _fit_tree(rows: _Rows, names: tuple[str, ...], options: Sequence[Any], params: TreeParams,
@@ -374,12 +387,24 @@ def _fit_tree(rows: _Rows, names: tuple[str, ...], options: Sequence[Any], param
                                 random_state=random_state)
     reg.fit(rows.x.astype(np.float64), rows.y, sample_weight=rows.weight)
     t = reg.tree_
-    where = reg.apply(rows.x.astype(np.float64))
+    paths = reg.decision_path(rows.x.astype(np.float64)).tocsc()  # rows x nodes: the nodes each row passes
+    parent = np.full(t.node_count, -1)
+    for i in range(t.node_count):
+        if t.children_left[i] != -1:
+            parent[t.children_left[i]] = parent[t.children_right[i]] = i
+
+    def rows_of(node: int) -> np.ndarray:
+        return np.sort(paths[:, node].indices)
+
     nodes, leaves = [], []
     for i in range(t.node_count):
         if t.children_left[i] == -1:
+            up, a = [], parent[i]
+            while a != -1:
+                up.append(rows_of(a))
+                a = parent[a]
             nodes.append((-1, 0, 0, 0, len(leaves)))
-            leaves.append(_preference(rows, np.flatnonzero(where == i), options))
+            leaves.append(_preference(rows, rows_of(i), options, up))
         else:  # x <= t (float midpoint) is x <= floor(t) for an integer x
             nodes.append((int(t.feature[i]), math.floor(t.threshold[i]), int(t.children_left[i]),
                           int(t.children_right[i]), 0))

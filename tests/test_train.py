@@ -144,3 +144,19 @@ def test_train_then_evaluate_on_the_committed_corpus(tmp_path):
         assert res["geomean"] < methods["best-single"]["codebook"][cb]["geomean"]
         assert res["geomean"] < methods["mmvq"]["codebook"][cb]["geomean"]
     assert "price of invariance" in ev.render(data)
+
+
+def test_a_leaf_ranks_an_identity_it_never_saw_by_its_nearest_ancestor():
+    """A launch leaf whose rows all hold one identity (here options 'b32') must still order the launches of another
+    identity sensibly when the identity tree hands it one: by their regret in the nearest ancestor that saw them.
+    Negative control: without ancestors they tie, and registry order puts the slow launch first."""
+    import numpy as np
+    from gemv_dispatch.dispatch.train import _preference, _Rows
+
+    options = ("a16.slow", "a16.fast", "b32")
+    usable = np.array([[False, False, True], [False, False, True], [True, True, False], [True, True, False]])
+    y = np.array([[0.0, 0.0, 0.0], [0.0, 0.0, 0.0], [1.0, 0.1, 1.0], [1.2, 0.2, 1.2]])
+    rows = _Rows(np.zeros((4, 1), dtype=np.int64), y, np.ones(4), usable, np.full(4, 2.0))
+    leaf, ancestor = np.array([0, 1]), np.array([0, 1, 2, 3])
+    assert _preference(rows, leaf, options, [ancestor]) == ("b32", "a16.fast", "a16.slow")
+    assert _preference(rows, leaf, options) == ("b32", "a16.slow", "a16.fast")
