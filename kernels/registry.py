@@ -9,9 +9,9 @@ the same bytes as no split: kernels.emulate.identity). Spellings with the same S
 Engines: dp4a (gemv_partial) for every family, and int8 tensor cores (gemv_mma) for wide and kpar. Both
 give the same bytes for the same S; the engine is a launch choice like threads or tiles.
 
-Staged twins: at M = 1 each dp4a candidate (but two that never won) has a twin (`staged`, gemv_staged) whose CTAs copy the activation
-blocks they walk into shared memory first (STAGED_BLOCK_BYTES each: direct and wide all KB, kpar its partition), so
-the row rides in no register; valid where that fits beside the direct family's partials.
+Staged twins: at M = 1 each dp4a candidate (but two that never won) has a twin (`staged`, gemv_staged) whose CTAs
+copy the activation blocks they walk into shared memory first (STAGED_BLOCK_BYTES each: direct and wide all KB,
+kpar its partition), so the row rides in no register; valid where that fits beside the direct family's partials.
 
 Row tile: a dp4a launch processes M in tiles of MT = min(next power of two >= M, the candidate's tile cap),
 decoding each weight block once per tile. The cap keeps MT·CPT <= 16 accumulators per thread, which keeps
