@@ -194,14 +194,15 @@ struct SubScales {
     u32 w[4];
 
     // Q4_K/Q5_K (GGUF get_scale_min): 6-bit scale and min of block j.
-    // Branch-free: j is no compile-time constant in the dp4a engine's loop, and a branch per block costs more
-    // than computing both forms and selecting.
     __device__ __forceinline__ void k6(int j, int& scale, int& min) const {
-        const int s = 8 * (j & 3);
-        const u32 sc = w[0] >> s, mn = w[1] >> s, md = w[2] >> s;
-        const bool low = j < 4;
-        scale = (int)(low ? sc & 63u : (md & 0xFu) | ((sc >> 2) & 0x30u));
-        min = (int)(low ? mn & 63u : ((md >> 4) & 0xFu) | ((mn >> 2) & 0x30u));
+        if (j < 4) {
+            scale = (w[0] >> (8 * j)) & 63, min = (w[1] >> (8 * j)) & 63;
+        } else {
+            const int s = 8 * (j - 4);
+            const u32 md = (w[2] >> s) & 0xFFu;
+            scale = (md & 0xF) | (((w[0] >> (s + 6)) & 3) << 4);
+            min = (md >> 4) | (((w[1] >> (s + 6)) & 3) << 4);
+        }
     }
     // IQ4_XS: w[0] = scales_h (16 bits), w[1] = scales_l (32 bits); the 6-bit scale minus 32 of block j.
     __device__ __forceinline__ int xs(int j) const {
