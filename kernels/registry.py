@@ -44,6 +44,8 @@ STAGED_BLOCK_BYTES = 40  # one staged activation block: 32 int8 values, d_a and 
 REGISTER_FILE = 65536  # 32-bit registers a CTA may use (every architecture since sm_50)
 # Threads per CTA a candidate may launch: what the register file holds at the compile options' register cap.
 MAX_CTA_THREADS = REGISTER_FILE // MAX_REGISTERS
+# gemv.cu indexes a plane's entries (weights [KB][N], activations [KB][M]) in 32 bits (block_index).
+MAX_PLANE_ENTRIES = 2**32
 
 
 def ticket_words(n: int) -> int:
@@ -120,6 +122,8 @@ class Candidate:
         """Why this candidate cannot run (M, N, K), or None when it can."""
         if m < 1 or n < 1 or k < BLOCK or k % BLOCK:
             return f"shape M={m}, N={n}, K={k} is not a GEMV shape (M, N >= 1; K a positive multiple of {BLOCK})"
+        if k // BLOCK * max(m, n) >= MAX_PLANE_ENTRIES:
+            return f"M={m}, N={n}, K={k}: a plane of {k // BLOCK * max(m, n)} blocks; the kernels index fewer than 2^32"
         if n % self.cpt:
             return f"N={n} is not a multiple of {self.cpt} outputs per thread"
         if self.mma_tiles and n % MMA_OUTPUTS:

@@ -110,6 +110,16 @@ def test_mma_needs_whole_tiles():
     assert "mma tile" in mma.invalid_reason(4, 1004, 4096)
 
 
+def test_planes_must_fit_32_bit_indices():
+    """gemv.cu's block_index is 32-bit: a plane of 2^32 blocks (weights KB·N or activations KB·M) is refused, one
+    column fewer is not."""
+    wide = next(c for c in CANDIDATES if c.family == "wide" and c.engine == "dp4a" and c.cpt == 1 and c.ksplit == 1)
+    k = 32 * 4096
+    assert wide.valid(1, 2**20 - 1, k)
+    assert "2^32" in wide.invalid_reason(1, 2**20, k)
+    assert "2^32" in wide.invalid_reason(2**20, 8, k)
+
+
 def test_every_kernel_a_valid_candidate_launches_is_compiled():
     """The launcher compiles kernel_names(codebook); a launch outside that set would fail at run time."""
     compiled = set(instantiations())

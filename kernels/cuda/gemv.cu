@@ -123,6 +123,11 @@ __device__ __forceinline__ float int_to_float(int i) { return (float)i; }
 // -x as a sign flip: exact for every input (a PTX neg may flush a subnormal under -ftz=true).
 __device__ __forceinline__ float negate(float x) { return __uint_as_float(__float_as_uint(x) ^ 0x80000000u); }
 
+// Row-major index r * n + c of a [rows][n] plane, in 32 bits: the registry refuses planes of 2^32 entries or more
+// (kernels.registry.MAX_PLANE_ENTRIES), and a 32-bit index costs the dp4a loop one IMAD per address where a 64-bit
+// one cost five (sign extension, wide multiply, carry): each address is then one IMAD.WIDE.U32 from the base.
+__device__ __forceinline__ u32 block_index(int r, int n, int c) { return (u32)r * (u32)n + (u32)c; }
+
 // Bits 0..3 of h become bit 4 of bytes 0..3 (the fifth bit of four consecutive Q5 values).
 // One multiply: bit j of (h & 15) lands at bits 4 + 7j + {0, 7, 14, 21}; the copies of the four bits occupy
 // disjoint bit ranges (4..7, 11..14, 18..21, 25..28), so the sum carries nowhere and bit 4 + 8j is bit j.
@@ -416,31 +421,31 @@ struct ColumnGroup {
         const int b0 = grp * T::GROUP;
 #pragma unroll
         for (int i = 0; i < T::GROUP; ++i) {
-            const u64 at = (u64)(b0 + i) * N + col;
+            const u32 at = block_index(b0 + i, N, col);
 #pragma unroll
             for (int v = 0; v < T::WORDS / 4; ++v) {
-                const uint4 x = __ldg(reinterpret_cast<const uint4*>(P.payload + at * T::WORDS) + v);
+                const uint4 x = __ldg(reinterpret_cast<const uint4*>(P.payload + (u64)at * T::WORDS) + v);
                 w[i][4 * v] = x.x, w[i][4 * v + 1] = x.y, w[i][4 * v + 2] = x.z, w[i][4 * v + 3] = x.w;
             }
             if (CB == Q6_K) {
-                const uint2 h = __ldg(reinterpret_cast<const uint2*>(P.high) + at);
+                const uint2 h = __ldg(reinterpret_cast<const uint2*>(P.high) + (u64)at);
                 qh[2 * i] = h.x, qh[2 * i + 1] = h.y;
             }
         }
         if (!T::SUPER) {
-            const u64 at = (u64)b0 * N + col;
+            const u64 at = block_index(b0, N, col);
             qh[0] = T::HIGH ? __ldg(P.high + at) : 0u;
             d = half_bits_to_float(__ldg(P.scale + at));
             dmin = T::ASYM ? half_bits_to_float(__ldg(P.minv + at)) : 0.0f;
         } else if (fresh) {
             const int sb = b0 >> 3;
-            const u64 at = (u64)sb * N + col;
+            const u64 at = block_index(sb, N, col);
             d = half_bits_to_float(__ldg(P.scale + at));
             dmin = T::ASYM ? half_bits_to_float(__ldg(P.minv + at)) : 0.0f;
             sub = load_sub<CB>(P.sub, at, b0);
             if (CB == Q5_K)
 #pragma unroll
-                for (int i = 0; i < 8; ++i) qh[i] = __ldg(P.high + (u64)(8 * sb + i) * N + col);
+                for (int i = 0; i < 8; ++i) qh[i] = __ldg(P.high + (u64)block_index(8 * sb + i, N, col));
         }
     }
 
@@ -481,9 +486,9 @@ struct ActivationRow {
     int s_a;
 
     static __device__ __forceinline__ ActivationRow load(const int* __restrict__ qa, const float* __restrict__ da,
-                                                         const int* __restrict__ sa, u64 at) {
-        return ActivationRow{__ldg(reinterpret_cast<const int4*>(qa) + 2 * at),
-                             __ldg(reinterpret_cast<const int4*>(qa) + 2 * at + 1), __ldg(da + at), __ldg(sa + at)};
+                                                         const int* __restrict__ sa, u32 at) {
+        const int4* q = reinterpret_cast<const int4*>(qa) + 2 * (u64)at;
+        return ActivationRow{__ldg(q), __ldg(q + 1), __ldg(da + (u64)at), __ldg(sa + (u64)at)};
     }
 
     // Staged block j of a CTA (gemv_staged): rows q[2j], q[2j+1], then {d_a bits, s_a} at ds[j].
@@ -537,9 +542,9 @@ __device__ __forceinline__ void dp4a_partial(GEMV_PARAMS) {
             if (m0 > 0) __syncthreads();  // every thread has read the previous row
             const int tid = threadIdx.x + blockDim.x * threadIdx.y, threads = blockDim.x * blockDim.y;
             for (int i = tid; i < 2 * staged; i += threads)
-                stage_q[i] = __ldg(reinterpret_cast<const int4*>(qa) + 2 * ((u64)(stage_begin + i / 2) * M + m0) + i % 2);
+                stage_q[i] = __ldg(reinterpret_cast<const int4*>(qa) + 2 * (u64)block_index(stage_begin + i / 2, M, m0) + i % 2);
             for (int i = tid; i < staged; i += threads) {
-                const u64 at = (u64)(stage_begin + i) * M + m0;
+                const u64 at = block_index(stage_begin + i, M, m0);
                 stage_ds[i] = make_int2(__float_as_int(__ldg(da + at)), __ldg(sa + at));
             }
             __syncthreads();
@@ -566,7 +571,7 @@ __device__ __forceinline__ void dp4a_partial(GEMV_PARAMS) {
                     const int grp = min(g0 + i, g_end - 1);  // past the end: the last block again (an L1 hit)
 #pragma unroll
                     for (int c = 0; c < CC; ++c) col[i][c].load(P, grp, col0 + c0 + c, N, starts_span(grp));
-                    if (ROW_AHEAD) act[i] = ActivationRow::load(qa, da, sa, (u64)grp * M + m0);
+                    if (ROW_AHEAD) act[i] = ActivationRow::load(qa, da, sa, block_index(grp, M, m0));
                 }
 #pragma unroll
                 for (int i = 0; i < BATCH; ++i) {
@@ -590,7 +595,7 @@ __device__ __forceinline__ void dp4a_partial(GEMV_PARAMS) {
                             if (r < rows) {
                                 const ActivationRow x = ROW_AHEAD ? act[i]
                                                       : STAGE ? ActivationRow::staged(stage_q, stage_ds, b - stage_begin)
-                                                              : ActivationRow::load(qa, da, sa, (u64)b * M + m0 + r);
+                                                              : ActivationRow::load(qa, da, sa, block_index(b, M, m0 + r));
                                 const RowBlock<CB> row = RowBlock<CB>::of(x.d_a, x.s_a);
 #pragma unroll
                                 for (int c = 0; c < CC; ++c) {
@@ -699,10 +704,10 @@ struct TileSuper {
 };
 
 template <int CB>
-__device__ __forceinline__ TileSuper load_tile_super(const Planes& P, int b0, u64 col, int g, int t, int N) {
+__device__ __forceinline__ TileSuper load_tile_super(const Planes& P, int b0, int col, int g, int t, int N) {
     TileSuper s;
     const int sb = b0 >> 3;
-    const u64 at = (u64)sb * N + col + 2 * t;  // C column 2t of the tile; N even: the pairs are aligned
+    const u64 at = block_index(sb, N, col + 2 * t);  // C column 2t of the tile; N even: the pairs are aligned
     s.d = __ldg(reinterpret_cast<const u32*>(P.scale + at));
     s.dmin = Traits<CB>::ASYM ? __ldg(reinterpret_cast<const u32*>(P.minv + at)) : 0u;
     if (CB == IQ4_XS) {  // 12 bytes for the two columns, 4-byte aligned: scales_h, scales_l of each
@@ -716,8 +721,8 @@ __device__ __forceinline__ TileSuper load_tile_super(const Planes& P, int b0, u6
     }
     s.qh[0] = s.qh[1] = 0u;
     if (CB == Q5_K) {
-        s.qh[0] = __ldg(P.high + (u64)(8 * sb + t) * N + col + g);
-        s.qh[1] = __ldg(P.high + (u64)(8 * sb + 4 + t) * N + col + g);
+        s.qh[0] = __ldg(P.high + (u64)block_index(8 * sb + t, N, col + g));
+        s.qh[1] = __ldg(P.high + (u64)block_index(8 * sb + 4 + t, N, col + g));
     }
     return s;
 }
@@ -829,18 +834,18 @@ __device__ __forceinline__ void mma_registers(GEMV_PARAMS) {
                     x = TileWords<CB>{};
                     if (gr0 + u < g_end && j < tiles) {
                         const int b0 = (gr0 + u) * G;
-                        const u64 col = (u64)b0 * N + n_warp + 8 * j;  // first output of the tile, first row
+                        const u32 col = block_index(b0, N, n_warp + 8 * j);  // first output of the tile, first row
 #pragma unroll
-                        for (int i = 0; i < G; ++i) x.w[i] = __ldg(payload + (col + (u64)i * N + g) * T::WORDS + t);
-                        if (CB == Q8_0) x.w_hi = __ldg(payload + (col + g) * T::WORDS + 4 + t);
-                        if (T::HIGH) x.high[0] = __ldg(high + col + g);
+                        for (int i = 0; i < G; ++i) x.w[i] = __ldg(payload + (u64)(col + i * N + g) * T::WORDS + t);
+                        if (CB == Q8_0) x.w_hi = __ldg(payload + (u64)(col + g) * T::WORDS + 4 + t);
+                        if (T::HIGH) x.high[0] = __ldg(high + (u64)(col + g));
                         if (CB == Q6_K) {  // qh words of elements 4t.. (row t/2 of the quad) and 16+4t.. (row 2+t/2)
-                            x.high[0] = __ldg(high + ((col + (u64)(t >> 1) * N + g) * 2 + (t & 1)));
-                            x.high[1] = __ldg(high + ((col + (u64)(2 + (t >> 1)) * N + g) * 2 + (t & 1)));
+                            x.high[0] = __ldg(high + (u64)(col + (t >> 1) * N + g) * 2 + (t & 1));
+                            x.high[1] = __ldg(high + (u64)(col + (2 + (t >> 1)) * N + g) * 2 + (t & 1));
                         }
-                        if (!T::SUPER) {
-                            x.scales = __ldg(reinterpret_cast<const u32*>(scale + col + 2 * t));  // N even: aligned
-                            if (T::ASYM) x.mins = __ldg(reinterpret_cast<const u32*>(minv + col + 2 * t));
+                        if (!T::SUPER) {  // N even: the pairs are aligned
+                            x.scales = __ldg(reinterpret_cast<const u32*>(scale + (u64)(col + 2 * t)));
+                            if (T::ASYM) x.mins = __ldg(reinterpret_cast<const u32*>(minv + (u64)(col + 2 * t)));
                         }
                     }
                 }
@@ -851,7 +856,7 @@ __device__ __forceinline__ void mma_registers(GEMV_PARAMS) {
                 if (T::SUPER && (grp == g_begin || (grp * G) % T::SPAN == 0))
 #pragma unroll
                     for (int j = 0; j < NT; ++j)
-                        if (j < tiles) sup[j] = load_tile_super<CB>(P, grp * G, (u64)n_warp + 8 * j, g, t, N);
+                        if (j < tiles) sup[j] = load_tile_super<CB>(P, grp * G, n_warp + 8 * j, g, t, N);
 #pragma unroll
                 for (int ub = 0; ub < G; ++ub) {
                     const int b = grp * G + ub;
@@ -866,7 +871,7 @@ __device__ __forceinline__ void mma_registers(GEMV_PARAMS) {
                             a[i][h] = a[i][2 + h] = 0;
                             rows[i][h] = RowBlock<CB>::of(0.0f, 0);
                             if (r < M) {
-                                const u64 ab = (u64)b * M + r;
+                                const u64 ab = block_index(b, M, r);
                                 a[i][h] = __ldg(qa + ab * 8 + t);
                                 a[i][2 + h] = __ldg(qa + ab * 8 + 4 + t);
                                 rows[i][h] = RowBlock<CB>::of(__ldg(da + ab), __ldg(sa + ab));
@@ -1031,7 +1036,7 @@ __device__ __forceinline__ void mma_ring(GEMV_PARAMS) {
                 const int e = tid + i * RING_THREADS;
                 const int u = e / (OUT * PIECES), o = e / PIECES % OUT, piece = e % PIECES;
                 const bool ok = e < PAY_PIECES && u < cn && n_cta + o < N;
-                const u32* src = payload + ((u64)(b0 + u) * N + n_cta + o) * T::WORDS + 4 * piece;
+                const u32* src = payload + (u64)block_index(b0 + u, N, n_cta + o) * T::WORDS + 4 * piece;
                 if (e < PAY_PIECES) cp_async16(slot + C::pay + (u * OUT + o) * T::WORDS + 4 * piece, ok ? src : payload, ok);
             }
             constexpr int SCALE_PIECES = KC * OUT / 8;
@@ -1040,7 +1045,7 @@ __device__ __forceinline__ void mma_ring(GEMV_PARAMS) {
                 const int e = tid + i * RING_THREADS;
                 const int u = e / (OUT / 8), o = e % (OUT / 8) * 8;
                 const bool ok = e < SCALE_PIECES && u < cn && n_cta + o < N;
-                const u64 at = (u64)(b0 + u) * N + n_cta + o;
+                const u64 at = block_index(b0 + u, N, n_cta + o);
                 if (e < SCALE_PIECES) {
                     cp_async16(slot + C::scale + (u * OUT + o) / 2, ok ? scale + at : scale, ok);
                     if (T::ASYM) cp_async16(slot + C::min + (u * OUT + o) / 2, ok ? minv + at : minv, ok);
@@ -1053,7 +1058,7 @@ __device__ __forceinline__ void mma_ring(GEMV_PARAMS) {
                     const int e = tid + i * RING_THREADS;
                     const int u = e / (OUT / 4), o = e % (OUT / 4) * 4;
                     const bool ok = e < HIGH_PIECES && u < cn && n_cta + o < N;
-                    const u64 at = (u64)(b0 + u) * N + n_cta + o;
+                    const u64 at = block_index(b0 + u, N, n_cta + o);
                     if (e < HIGH_PIECES) cp_async16(slot + C::high + u * OUT + o, ok ? high + at : high, ok);
                 }
             }
@@ -1063,7 +1068,7 @@ __device__ __forceinline__ void mma_ring(GEMV_PARAMS) {
                 const int e = tid + i * RING_THREADS;
                 const int u = e / (ROWS * 2), r = e / 2 % ROWS, half = e & 1;
                 const bool ok = e < Q_PIECES && u < cn && m0 + r < M;
-                const int* src = qa + ((u64)(b0 + u) * M + m0 + r) * 8 + 4 * half;
+                const int* src = qa + (u64)block_index(b0 + u, M, m0 + r) * 8 + 4 * half;
                 if (e < Q_PIECES) cp_async16(slot + C::q + (u * ROWS + r) * ROW_WORDS + 4 * half, ok ? src : qa, ok);
             }
             constexpr int D_COPIES = KC * ROWS;
@@ -1072,7 +1077,7 @@ __device__ __forceinline__ void mma_ring(GEMV_PARAMS) {
                 const int e = tid + i * RING_THREADS;
                 const int u = e / ROWS, r = e % ROWS;
                 const bool ok = e < D_COPIES && u < cn && m0 + r < M;
-                const u64 ab = (u64)(b0 + u) * M + m0 + r;
+                const u64 ab = block_index(b0 + u, M, m0 + r);
                 if (e < D_COPIES) {
                     cp_async4(slot + C::d + e, ok ? da + ab : da, ok);
                     cp_async4(slot + C::s + e, ok ? sa + ab : sa, ok);
