@@ -537,7 +537,7 @@ __device__ __forceinline__ void dp4a_partial(GEMV_PARAMS) {
     int2* stage_ds = reinterpret_cast<int2*>(stage_q + 2 * staged);
 
     for (int m0 = 0; m0 < M; m0 += MT) {
-        const int rows = min(MT, M - m0);
+        const int rows = MT == 1 ? 1 : min(MT, M - m0);  // m0 < M: a one-row tile is always full
         if (STAGE) {
             if (m0 > 0) __syncthreads();  // every thread has read the previous row
             const int tid = threadIdx.x + blockDim.x * threadIdx.y, threads = blockDim.x * blockDim.y;
