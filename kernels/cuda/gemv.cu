@@ -123,9 +123,11 @@ __device__ __forceinline__ float int_to_float(int i) { return (float)i; }
 // -x as a sign flip: exact for every input (a PTX neg may flush a subnormal under -ftz=true).
 __device__ __forceinline__ float negate(float x) { return __uint_as_float(__float_as_uint(x) ^ 0x80000000u); }
 
-// Row-major index r * n + c of a [rows][n] plane, in 32 bits: the registry refuses planes of 2^32 entries or more
-// (kernels.registry.MAX_PLANE_ENTRIES), and a 32-bit index costs the dp4a loop one IMAD per address where a 64-bit
-// one cost five (sign extension, wide multiply, carry): each address is then one IMAD.WIDE.U32 from the base.
+// Row-major index r * n + c of a [rows][n] plane, in 32 bits (the registry refuses planes of 2^32 entries or more:
+// kernels.registry.MAX_PLANE_ENTRIES): each address is one IMAD.WIDE.U32 from its base where a 64-bit index took
+// ~5 instructions. The tensor-core engine's loads use it (0.80-0.99x version 24's time); the dp4a engine keeps 64-bit
+// indices: with 32-bit ones its M = 1 loop issued ~20 fewer instructions per block yet ran up to 1.2x slower
+// (bench/NOTES.md, version 25).
 __device__ __forceinline__ u32 block_index(int r, int n, int c) { return (u32)r * (u32)n + (u32)c; }
 
 // Bits 0..3 of h become bit 4 of bytes 0..3 (the fifth bit of four consecutive Q5 values).
@@ -421,31 +423,31 @@ struct ColumnGroup {
         const int b0 = grp * T::GROUP;
 #pragma unroll
         for (int i = 0; i < T::GROUP; ++i) {
-            const u32 at = block_index(b0 + i, N, col);
+            const u64 at = (u64)(b0 + i) * N + col;
 #pragma unroll
             for (int v = 0; v < T::WORDS / 4; ++v) {
-                const uint4 x = __ldg(reinterpret_cast<const uint4*>(P.payload + (u64)at * T::WORDS) + v);
+                const uint4 x = __ldg(reinterpret_cast<const uint4*>(P.payload + at * T::WORDS) + v);
                 w[i][4 * v] = x.x, w[i][4 * v + 1] = x.y, w[i][4 * v + 2] = x.z, w[i][4 * v + 3] = x.w;
             }
             if (CB == Q6_K) {
-                const uint2 h = __ldg(reinterpret_cast<const uint2*>(P.high) + (u64)at);
+                const uint2 h = __ldg(reinterpret_cast<const uint2*>(P.high) + at);
                 qh[2 * i] = h.x, qh[2 * i + 1] = h.y;
             }
         }
         if (!T::SUPER) {
-            const u64 at = block_index(b0, N, col);
+            const u64 at = (u64)b0 * N + col;
             qh[0] = T::HIGH ? __ldg(P.high + at) : 0u;
             d = half_bits_to_float(__ldg(P.scale + at));
             dmin = T::ASYM ? half_bits_to_float(__ldg(P.minv + at)) : 0.0f;
         } else if (fresh) {
             const int sb = b0 >> 3;
-            const u64 at = block_index(sb, N, col);
+            const u64 at = (u64)sb * N + col;
             d = half_bits_to_float(__ldg(P.scale + at));
             dmin = T::ASYM ? half_bits_to_float(__ldg(P.minv + at)) : 0.0f;
             sub = load_sub<CB>(P.sub, at, b0);
             if (CB == Q5_K)
 #pragma unroll
-                for (int i = 0; i < 8; ++i) qh[i] = __ldg(P.high + (u64)block_index(8 * sb + i, N, col));
+                for (int i = 0; i < 8; ++i) qh[i] = __ldg(P.high + (u64)(8 * sb + i) * N + col);
         }
     }
 
@@ -486,9 +488,9 @@ struct ActivationRow {
     int s_a;
 
     static __device__ __forceinline__ ActivationRow load(const int* __restrict__ qa, const float* __restrict__ da,
-                                                         const int* __restrict__ sa, u32 at) {
-        const int4* q = reinterpret_cast<const int4*>(qa) + 2 * (u64)at;
-        return ActivationRow{__ldg(q), __ldg(q + 1), __ldg(da + (u64)at), __ldg(sa + (u64)at)};
+                                                         const int* __restrict__ sa, u64 at) {
+        return ActivationRow{__ldg(reinterpret_cast<const int4*>(qa) + 2 * at),
+                             __ldg(reinterpret_cast<const int4*>(qa) + 2 * at + 1), __ldg(da + at), __ldg(sa + at)};
     }
 
     // Staged block j of a CTA (gemv_staged): rows q[2j], q[2j+1], then {d_a bits, s_a} at ds[j].
@@ -537,14 +539,14 @@ __device__ __forceinline__ void dp4a_partial(GEMV_PARAMS) {
     int2* stage_ds = reinterpret_cast<int2*>(stage_q + 2 * staged);
 
     for (int m0 = 0; m0 < M; m0 += MT) {
-        const int rows = MT == 1 ? 1 : min(MT, M - m0);  // m0 < M: a one-row tile is always full
+        const int rows = min(MT, M - m0);
         if (STAGE) {
             if (m0 > 0) __syncthreads();  // every thread has read the previous row
             const int tid = threadIdx.x + blockDim.x * threadIdx.y, threads = blockDim.x * blockDim.y;
             for (int i = tid; i < 2 * staged; i += threads)
-                stage_q[i] = __ldg(reinterpret_cast<const int4*>(qa) + 2 * (u64)block_index(stage_begin + i / 2, M, m0) + i % 2);
+                stage_q[i] = __ldg(reinterpret_cast<const int4*>(qa) + 2 * ((u64)(stage_begin + i / 2) * M + m0) + i % 2);
             for (int i = tid; i < staged; i += threads) {
-                const u64 at = block_index(stage_begin + i, M, m0);
+                const u64 at = (u64)(stage_begin + i) * M + m0;
                 stage_ds[i] = make_int2(__float_as_int(__ldg(da + at)), __ldg(sa + at));
             }
             __syncthreads();
@@ -571,7 +573,7 @@ __device__ __forceinline__ void dp4a_partial(GEMV_PARAMS) {
                     const int grp = min(g0 + i, g_end - 1);  // past the end: the last block again (an L1 hit)
 #pragma unroll
                     for (int c = 0; c < CC; ++c) col[i][c].load(P, grp, col0 + c0 + c, N, starts_span(grp));
-                    if (ROW_AHEAD) act[i] = ActivationRow::load(qa, da, sa, block_index(grp, M, m0));
+                    if (ROW_AHEAD) act[i] = ActivationRow::load(qa, da, sa, (u64)grp * M + m0);
                 }
 #pragma unroll
                 for (int i = 0; i < BATCH; ++i) {
@@ -595,7 +597,7 @@ __device__ __forceinline__ void dp4a_partial(GEMV_PARAMS) {
                             if (r < rows) {
                                 const ActivationRow x = ROW_AHEAD ? act[i]
                                                       : STAGE ? ActivationRow::staged(stage_q, stage_ds, b - stage_begin)
-                                                              : ActivationRow::load(qa, da, sa, block_index(b, M, m0 + r));
+                                                              : ActivationRow::load(qa, da, sa, (u64)b * M + m0 + r);
                                 const RowBlock<CB> row = RowBlock<CB>::of(x.d_a, x.s_a);
 #pragma unroll
                                 for (int c = 0; c < CC; ++c) {
