@@ -139,6 +139,7 @@ def context(policy: Policy, inventories: str) -> dict[str, Any]:
         "launch_overlays": sorted((cb_index[cb], m, n, k, mode_index[mode], index[cand])
                                   for (cb, m, n, k, mode), cand in policy.launch_overlays.items()),
         "c_max_dim": C_MAX_DIM,
+        "max_plane_entries": registry.MAX_PLANE_ENTRIES,
     }
 
 

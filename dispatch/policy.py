@@ -25,8 +25,8 @@ from gemv_dispatch.dispatch.features import (
     identity_features,
     launch_features,
 )
-from gemv_dispatch.kernels.errors import BLOCK, InputError
-from gemv_dispatch.kernels.registry import BY_ID, CANDIDATES, Candidate
+from gemv_dispatch.kernels.errors import InputError
+from gemv_dispatch.kernels.registry import BY_ID, CANDIDATES, Candidate, shape_error
 
 FORMAT = "gemv-dispatch-policy/1"
 CANONICAL_WIDE = "wide.s1.t128.c1"  # canonical(1, k): valid for every shape and M
@@ -248,8 +248,8 @@ class Policy:
         for name, value in (("M", m), ("N", n), ("K", k)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InputError(f"{name}={value!r} must be an integer >= 1")
-        if k % BLOCK:
-            raise InputError(f"K={k} is not a multiple of {BLOCK}")
+        if reason := shape_error(m, n, k):
+            raise InputError(reason)
         if mode not in MODES:
             raise InputError(f"mode {mode!r} must be one of {', '.join(MODES)}")
 

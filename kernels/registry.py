@@ -54,6 +54,16 @@ def ticket_words(n: int) -> int:
     return ((n + 7) // 8 + 3) // 4 * 4
 
 
+def shape_error(m: int, n: int, k: int) -> str | None:
+    """Why no candidate runs (M, N, K), or None: M, N >= 1, K a positive multiple of BLOCK, and planes the kernels'
+    32-bit indices reach (KB·max(M, N) < MAX_PLANE_ENTRIES)."""
+    if m < 1 or n < 1 or k < BLOCK or k % BLOCK:
+        return f"shape M={m}, N={n}, K={k} is not a GEMV shape (M, N >= 1; K a positive multiple of {BLOCK})"
+    if k // BLOCK * max(m, n) >= MAX_PLANE_ENTRIES:
+        return f"M={m}, N={n}, K={k}: a plane of {k // BLOCK * max(m, n)} blocks; the kernels index fewer than 2^32"
+    return None
+
+
 def row_tile(m: int, cpt: int) -> int:
     """MT for M rows: the smallest power of two >= M, capped so MT·CPT <= MAX_ACCUMULATORS."""
     cap = min(ROW_TILES[-1], MAX_ACCUMULATORS // cpt)
@@ -120,10 +130,8 @@ class Candidate:
 
     def invalid_reason(self, m: int, n: int, k: int) -> str | None:
         """Why this candidate cannot run (M, N, K), or None when it can."""
-        if m < 1 or n < 1 or k < BLOCK or k % BLOCK:
-            return f"shape M={m}, N={n}, K={k} is not a GEMV shape (M, N >= 1; K a positive multiple of {BLOCK})"
-        if k // BLOCK * max(m, n) >= MAX_PLANE_ENTRIES:
-            return f"M={m}, N={n}, K={k}: a plane of {k // BLOCK * max(m, n)} blocks; the kernels index fewer than 2^32"
+        if reason := shape_error(m, n, k):
+            return reason
         if n % self.cpt:
             return f"N={n} is not a multiple of {self.cpt} outputs per thread"
         if self.mma_tiles and n % MMA_OUTPUTS:

@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 from gemv_dispatch.dispatch import generate
 from gemv_dispatch.dispatch.features import MODES
+from gemv_dispatch.kernels import registry
+from gemv_dispatch.kernels.errors import InputError
 from gemv_dispatch.kernels.registry import CANDIDATES
 from policy_fixture import random_policy
 
@@ -92,12 +94,20 @@ def test_module_policy_and_header_agree(seed, tmp_path):
     sources = set()
     py = []
     for key in keys:
+        if registry.shape_error(*key[1:4]):  # beyond the kernels' 32-bit plane indices: refused by all three
+            with pytest.raises(InputError):
+                policy.select(*key)
+            with pytest.raises(ValueError):
+                module.select(*key)
+            py.append("error -2")
+            continue
         want = policy.select(*key)
         got = module.select(*key)
         assert tuple(got) == tuple(want), f"seed {seed} key {key}: module {got}, policy {want}"
         sources.add(want.source)
         py.append(f"{want.candidate} {want.identity} {want.source}")
     assert sources == {"overlay", "fallback"}, "the keys must reach both overlays and the fallback"
+    assert 0.2 < py.count("error -2") / len(keys) < 0.6, "keys on both sides of the plane limit"
     if shutil.which("cc") is None:
         pytest.skip("no C compiler (cc) on PATH: the header half of this test needs one")
     c = c_select(rendered[generate.HEADER], keys, tmp_path)
@@ -121,14 +131,19 @@ def test_invalid_arguments_refused_by_module_and_header(tmp_path):
     rendered = generate.render(policy, GOLDEN_INVENTORIES)
     module = load_module(rendered[generate.MODULE], tmp_path)
     for bad in [("q9_9", 1, 8, 32, "graph"), ("q4_0", 0, 8, 32, "graph"), ("q4_0", 1, 8, 48, "graph"),
-                ("q4_0", 1, 8, 32, "lazy"), ("q4_0", True, 8, 32, "graph")]:
+                ("q4_0", 1, 8, 32, "lazy"), ("q4_0", True, 8, 32, "graph"), ("q4_0", 1, 1 << 22, 32 << 10, "graph"),
+                ("q4_0", 1 << 22, 8, 32 << 10, "graph")]:
         with pytest.raises(ValueError):
             module.select(*bad)
     if shutil.which("cc") is None:
         pytest.skip("no C compiler (cc) on PATH")
     bad_c = [("q9_9", 1, 8, 32, "graph"), ("q4_0", 0, 8, 32, "graph"), ("q4_0", 1, 8, 48, "graph"),
-             ("q4_0", 1, 1 << 31, 32, "graph")]
-    assert c_select(rendered[generate.HEADER], bad_c, tmp_path) == ["error -1", "error -2", "error -2", "error -2"]
+             ("q4_0", 1, 1 << 31, 32, "graph"), ("q4_0", 1, 1 << 22, 32 << 10, "graph"),
+             ("q4_0", 1 << 22, 8, 32 << 10, "graph")]
+    assert c_select(rendered[generate.HEADER], bad_c, tmp_path) == ["error -1"] + ["error -2"] * 5
+    below = ("q4_0", 1, (1 << 22) - 1, 32 << 10, "graph")  # 2^10 blocks below the limit: answered
+    assert c_select(rendered[generate.HEADER], [below], tmp_path)[0] != "error -2"
+    assert module.select(*below) == policy.select(*below)
 
 
 def test_render_is_deterministic_and_matches_golden(tmp_path):
