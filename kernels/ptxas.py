@@ -24,12 +24,13 @@ from gemv_dispatch.kernels import program
 _ENTRY = re.compile(r"Compiling entry function '(\w+)' for '(\w+)'")
 _FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _REGS = re.compile(r"Used (\d+) registers")
-_TEMPLATE = re.compile(r"(gemv_[a-z]+)I((?:Li\d+E)+)Lb([01])EE")  # name<int..., bool> in Itanium mangling
+_TEMPLATE = re.compile(r"(gemv_[a-z]+)I((?:L[ib]\d+E)+)E")  # name<int or bool, ...> in Itanium mangling
+_TEMPLATE_ARG = re.compile(r"L([ib])(\d+)E")
 
 
 @dataclass(frozen=True)
 class KernelResources:
-    name: str  # the source-level name, e.g. "gemv_partial<0, 1, 1, false>", "gemv_mma<0, 2, 1, true>"
+    name: str  # the source-level name, e.g. "gemv_partial<0, 1, 1, false>", "gemv_mma<0, 2, 1, true, 128>"
     registers: int
     stack_bytes: int
     spill_store_bytes: int
@@ -49,9 +50,9 @@ def source_name(mangled: str) -> str:
     match = _TEMPLATE.search(mangled)
     if not match:
         return mangled
-    name, ints, split = match.groups()
-    args = [*re.findall(r"Li(\d+)E", ints), "true" if split == "1" else "false"]
-    return f"{name}<{', '.join(args)}>"
+    name, args = match.groups()
+    spelled = [v if kind == "i" else ("true" if v == "1" else "false") for kind, v in _TEMPLATE_ARG.findall(args)]
+    return f"{name}<{', '.join(spelled)}>"
 
 
 def parse_report(text: str) -> list[KernelResources]:

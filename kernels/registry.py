@@ -6,8 +6,8 @@ the same bytes as no split: kernels.emulate.identity). Spellings with the same S
 `candidates_for` keeps a candidate only where its ksplit is effective (ksplit == S), so each
 (family, S, launch) appears once.
 
-Engines: dp4a (gemv_partial) for every family, and int8 tensor cores (gemv_mma) for wide and kpar. Both
-give the same bytes for the same S; the engine is a launch choice like threads or tiles.
+Engines: dp4a (gemv_partial) for every family, and int8 tensor cores (gemv_mma, in CTAs of 128 or 256 threads)
+for wide and kpar. Both give the same bytes for the same S; the engine is a launch choice like threads or tiles.
 
 Staged twins: at M = 1 each dp4a candidate (but two that never won) has a twin (`staged`, gemv_staged) whose CTAs
 copy the activation blocks they walk into shared memory first (STAGED_BLOCK_BYTES each: direct and wide all KB,
@@ -154,7 +154,7 @@ class Candidate:
         cb = CODEBOOK_IDS[get(codebook).name]
         split = "true" if self.grid_split else "false"
         if self.mma_tiles:
-            return f"gemv_mma<{cb}, {self.mma_tiles}, {mma_row_tiles(m)}, {split}>"
+            return f"gemv_mma<{cb}, {self.mma_tiles}, {mma_row_tiles(m)}, {split}, {self.threads}>"
         if self.staged:
             return f"gemv_staged<{cb}, {self.cpt}, {split}>"
         return f"gemv_partial<{cb}, {self.cpt}, {row_tile(m, self.cpt)}, {split}>"
@@ -193,6 +193,10 @@ def _build() -> tuple[Candidate, ...]:
     mma = [Candidate("wide", 1, 128, mma_tiles=t) for t in (2, 4)] + [
         Candidate("kpar", s, 128, mma_tiles=2) for s in (2, 4, 8, 16, 32)
     ]
+    # Rings of 8 warps (version 26, to be measured by the sweep): on mid-size N at M = 16 a grid of 128-thread CTAs
+    # fills under half a wave, so each SM runs 4-8 warps; 8-warp CTAs of the same outputs double that and share a
+    # block's activation rows among 8 warps instead of 4.
+    mma += [Candidate("wide", 1, 256, mma_tiles=2)] + [Candidate("kpar", s, 256, mma_tiles=2) for s in (4, 8)]
     # Staged twins of the dp4a launches, for M = 1 (version 22: faster on the large Q4_0 shapes, slower on small).
     # In version 23's corpus two twins won no M = 1 cell: kpar.s64.t128.c1's was never within 2 % of the best,
     # direct.s2.t32.c1's never the best; they are not built.

@@ -68,10 +68,10 @@ def test_the_thread_limit_follows_the_register_cap():
     """No CTA of more threads than the register file holds at --maxrregcount: a launch of such a CTA fails."""
     assert registry.MAX_CTA_THREADS * program.MAX_REGISTERS == registry.REGISTER_FILE
     launch_bounds = re.findall(r"__launch_bounds__\((\w+)\)", program.source())
-    assert launch_bounds == ["RING_THREADS"]  # the one bound: gemv_mma's CTA, which every mma candidate launches
-    ring = re.search(r"constexpr int RING_THREADS = (\d+);", program.source())
-    assert ring is not None
-    assert {c.threads for c in registry.CANDIDATES if c.mma_tiles} == {int(ring.group(1))}
+    assert launch_bounds == ["THREADS"]  # the one bound: gemv_mma's CTA, the threads its candidate launches
+    for c in registry.CANDIDATES:
+        if c.mma_tiles:
+            assert c.kernel_name("Q4_0", 16).endswith(f", {c.threads}>"), c.id
     assert max(c.threads * (1 if c.grid_split else c.ksplit) for c in registry.CANDIDATES) <= registry.MAX_CTA_THREADS
 
 
@@ -130,6 +130,8 @@ def test_the_spill_check_command_names_an_architecture_nvcc_refuses(capsys):
 
 def test_report_parser_names_both_engines():
     assert source_name("_Z8gemv_mmaILi5ELi2ELi2ELb1EEvPKjS1_PKtS3_PKiPKfS5_iiiiPf") == "gemv_mma<5, 2, 2, true>"
+    assert source_name("_Z8gemv_mmaILi0ELi2ELi1ELb0ELi256EEvPKjS1_PKtS3_PKhPKiPKfS7_iiiiPfSA_") == (
+        "gemv_mma<0, 2, 1, false, 256>")
     assert source_name("_Z12gemv_partialILi3ELi2ELi8ELb0EEvPKj") == "gemv_partial<3, 2, 8, false>"
     assert source_name("quantize_activations") == "quantize_activations"
 

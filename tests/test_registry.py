@@ -132,5 +132,5 @@ def test_every_kernel_a_valid_candidate_launches_is_compiled():
 
 def test_mma_row_tiles_follow_m():
     mma = next(c for c in CANDIDATES if c.engine == "mma" and c.family == "kpar")
-    assert mma.kernel_name("Q4_0", 16) == f"gemv_mma<0, {mma.mma_tiles}, 1, true>"
-    assert mma.kernel_name("IQ4_NL", 31) == f"gemv_mma<5, {mma.mma_tiles}, 2, true>"
+    assert mma.kernel_name("Q4_0", 16) == f"gemv_mma<0, {mma.mma_tiles}, 1, true, {mma.threads}>"
+    assert mma.kernel_name("IQ4_NL", 31) == f"gemv_mma<5, {mma.mma_tiles}, 2, true, {mma.threads}>"

@@ -942,7 +942,6 @@ template <int N>
 inline void cp_async_wait() {}
 #endif
 
-constexpr int RING_THREADS = 128;  // the registry's mma candidates' CTA
 constexpr int RING_STAGES = 3;
 constexpr int ROW_WORDS = 12;  // a 32-byte row + 16 bytes of padding: rows g = 0..7 land on distinct banks
 // Static shared memory per CTA: kpar's CTAs are many and short (S per column range), so its ring is 32 KB (7 CTAs
@@ -950,10 +949,10 @@ constexpr int ROW_WORDS = 12;  // a 32-byte row + 16 bytes of padding: rows g = 
 constexpr int ring_shared(bool grid_split) { return (grid_split ? 32 : 48) * 1024; }
 
 // One chunk's layout in shared memory, in 32-bit words (every part a multiple of 4 words: 16-byte aligned).
-template <int CB, int NT, int MTILES, int KC_>
+template <int CB, int NT, int MTILES, int KC_, int THREADS>
 struct Chunk {
     typedef Traits<CB> T;
-    static constexpr int KC = KC_, OUT = RING_THREADS / 32 * 8 * NT, ROWS = 16 * MTILES;
+    static constexpr int KC = KC_, OUT = THREADS / 32 * 8 * NT, ROWS = 16 * MTILES;
     static constexpr int PAY = KC * OUT * T::WORDS;
     static constexpr int SCALE = KC * OUT / 2, MIN = T::ASYM ? SCALE : 0, HIGH = T::HIGH ? KC * OUT : 0;
     static constexpr int Q = KC * ROWS * ROW_WORDS, D = KC * ROWS, S = KC * ROWS;
@@ -962,21 +961,21 @@ struct Chunk {
 };
 
 // Blocks per chunk: 8, else 4, else 2, whichever ring fits the family's shared memory.
-template <int CB, int NT, int MTILES, bool GRID_SPLIT>
+template <int CB, int NT, int MTILES, bool GRID_SPLIT, int THREADS>
 struct RingShape {
     static constexpr int LIMIT = ring_shared(GRID_SPLIT);
-    static constexpr int KC = RING_STAGES * Chunk<CB, NT, MTILES, 8>::words * 4 <= LIMIT ? 8
-                            : RING_STAGES * Chunk<CB, NT, MTILES, 4>::words * 4 <= LIMIT ? 4 : 2;
-    typedef Chunk<CB, NT, MTILES, KC> C;
+    static constexpr int KC = RING_STAGES * Chunk<CB, NT, MTILES, 8, THREADS>::words * 4 <= LIMIT ? 8
+                            : RING_STAGES * Chunk<CB, NT, MTILES, 4, THREADS>::words * 4 <= LIMIT ? 4 : 2;
+    typedef Chunk<CB, NT, MTILES, KC, THREADS> C;
 };
 
 // Blocks [0, cn) of a landed ring chunk for the warp's first `tiles` 8-output tiles, `left` = M minus the pass's first
 // row (rows past M are zero-filled, so computing them is harmless; mma_tile skips the float work of empty halves).
-template <int CB, int NT, int MTILES, bool GRID_SPLIT>
+template <int CB, int NT, int MTILES, bool GRID_SPLIT, int THREADS>
 __device__ __forceinline__ void ring_chunk(const u32* slot, int cn, int tiles, int left, int o_warp, int g, int t,
                                            float (&acc)[NT][MTILES][4]) {
     typedef Traits<CB> T;
-    typedef typename RingShape<CB, NT, MTILES, GRID_SPLIT>::C C;
+    typedef typename RingShape<CB, NT, MTILES, GRID_SPLIT, THREADS>::C C;
     constexpr int KC = C::KC, OUT = C::OUT, ROWS = C::ROWS;
 #pragma unroll
     for (int u = 0; u < KC; ++u) {
@@ -1011,10 +1010,10 @@ __device__ __forceinline__ void ring_chunk(const u32* slot, int cn, int tiles, i
     }
 }
 
-template <int CB, int NT, int MTILES, bool GRID_SPLIT>
+template <int CB, int NT, int MTILES, bool GRID_SPLIT, int THREADS>
 __device__ __forceinline__ void mma_ring(GEMV_PARAMS) {
     typedef Traits<CB> T;
-    typedef typename RingShape<CB, NT, MTILES, GRID_SPLIT>::C C;
+    typedef typename RingShape<CB, NT, MTILES, GRID_SPLIT, THREADS>::C C;
     constexpr int KC = C::KC, OUT = C::OUT, ROWS = C::ROWS, ST = RING_STAGES, PIECES = T::WORDS / 4;
     __shared__ __align__(16) u32 ring[ST][C::words];
 
@@ -1034,8 +1033,8 @@ __device__ __forceinline__ void mma_ring(GEMV_PARAMS) {
             const int b0 = b_begin + c * KC, cn = min(KC, b_end - b0);
             constexpr int PAY_PIECES = KC * OUT * PIECES;
 #pragma unroll
-            for (int i = 0; i < (PAY_PIECES + RING_THREADS - 1) / RING_THREADS; ++i) {
-                const int e = tid + i * RING_THREADS;
+            for (int i = 0; i < (PAY_PIECES + THREADS - 1) / THREADS; ++i) {
+                const int e = tid + i * THREADS;
                 const int u = e / (OUT * PIECES), o = e / PIECES % OUT, piece = e % PIECES;
                 const bool ok = e < PAY_PIECES && u < cn && n_cta + o < N;
                 const u32* src = payload + (u64)block_index(b0 + u, N, n_cta + o) * T::WORDS + 4 * piece;
@@ -1043,8 +1042,8 @@ __device__ __forceinline__ void mma_ring(GEMV_PARAMS) {
             }
             constexpr int SCALE_PIECES = KC * OUT / 8;
 #pragma unroll
-            for (int i = 0; i < (SCALE_PIECES + RING_THREADS - 1) / RING_THREADS; ++i) {
-                const int e = tid + i * RING_THREADS;
+            for (int i = 0; i < (SCALE_PIECES + THREADS - 1) / THREADS; ++i) {
+                const int e = tid + i * THREADS;
                 const int u = e / (OUT / 8), o = e % (OUT / 8) * 8;
                 const bool ok = e < SCALE_PIECES && u < cn && n_cta + o < N;
                 const u64 at = block_index(b0 + u, N, n_cta + o);
@@ -1056,8 +1055,8 @@ __device__ __forceinline__ void mma_ring(GEMV_PARAMS) {
             if (T::HIGH) {
                 constexpr int HIGH_PIECES = KC * OUT / 4;
 #pragma unroll
-                for (int i = 0; i < (HIGH_PIECES + RING_THREADS - 1) / RING_THREADS; ++i) {
-                    const int e = tid + i * RING_THREADS;
+                for (int i = 0; i < (HIGH_PIECES + THREADS - 1) / THREADS; ++i) {
+                    const int e = tid + i * THREADS;
                     const int u = e / (OUT / 4), o = e % (OUT / 4) * 4;
                     const bool ok = e < HIGH_PIECES && u < cn && n_cta + o < N;
                     const u64 at = block_index(b0 + u, N, n_cta + o);
@@ -1066,8 +1065,8 @@ __device__ __forceinline__ void mma_ring(GEMV_PARAMS) {
             }
             constexpr int Q_PIECES = KC * ROWS * 2;
 #pragma unroll
-            for (int i = 0; i < (Q_PIECES + RING_THREADS - 1) / RING_THREADS; ++i) {
-                const int e = tid + i * RING_THREADS;
+            for (int i = 0; i < (Q_PIECES + THREADS - 1) / THREADS; ++i) {
+                const int e = tid + i * THREADS;
                 const int u = e / (ROWS * 2), r = e / 2 % ROWS, half = e & 1;
                 const bool ok = e < Q_PIECES && u < cn && m0 + r < M;
                 const int* src = qa + (u64)block_index(b0 + u, M, m0 + r) * 8 + 4 * half;
@@ -1075,8 +1074,8 @@ __device__ __forceinline__ void mma_ring(GEMV_PARAMS) {
             }
             constexpr int D_COPIES = KC * ROWS;
 #pragma unroll
-            for (int i = 0; i < (D_COPIES + RING_THREADS - 1) / RING_THREADS; ++i) {
-                const int e = tid + i * RING_THREADS;
+            for (int i = 0; i < (D_COPIES + THREADS - 1) / THREADS; ++i) {
+                const int e = tid + i * THREADS;
                 const int u = e / ROWS, r = e % ROWS;
                 const bool ok = e < D_COPIES && u < cn && m0 + r < M;
                 const u64 ab = block_index(b0 + u, M, m0 + r);
@@ -1108,11 +1107,11 @@ __device__ __forceinline__ void mma_ring(GEMV_PARAMS) {
             // half: M <= 8) are nearly every chunk: there the trip counts are constants, and the chunk's blocks one
             // branch-free stretch. (A third copy for two M tiles spilled gemv_mma<Q4_0, 4, 2, false>.)
             if (cn == KC && tiles == NT && left > ROWS_ALL - 8)
-                ring_chunk<CB, NT, MTILES, GRID_SPLIT>(slot, KC, NT, ROWS_ALL, o_warp, g, t, acc);
+                ring_chunk<CB, NT, MTILES, GRID_SPLIT, THREADS>(slot, KC, NT, ROWS_ALL, o_warp, g, t, acc);
             else if (MTILES == 1 && cn == KC && tiles == NT && left > ROWS_ALL - 16)
-                ring_chunk<CB, NT, MTILES, GRID_SPLIT>(slot, KC, NT, ROWS_ALL - 8, o_warp, g, t, acc);
+                ring_chunk<CB, NT, MTILES, GRID_SPLIT, THREADS>(slot, KC, NT, ROWS_ALL - 8, o_warp, g, t, acc);
             else
-                ring_chunk<CB, NT, MTILES, GRID_SPLIT>(slot, cn, tiles, left, o_warp, g, t, acc);
+                ring_chunk<CB, NT, MTILES, GRID_SPLIT, THREADS>(slot, cn, tiles, left, o_warp, g, t, acc);
         }
         cp_async_wait<0>();
         __syncthreads();  // the next M pass refills the ring
@@ -1123,11 +1122,13 @@ __device__ __forceinline__ void mma_ring(GEMV_PARAMS) {
 
 // The tensor-core candidates (wide S = 1, kpar GRID_SPLIT): the ring engine for the legacy 16-byte-payload
 // formats, registers for Q8_0 (a ring chunk holds too few of its 32-byte blocks: bench/NOTES.md version 9) and
-// the super-block formats. Both engines give the contract's bytes; the candidates' geometry is the same.
-template <int CB, int NT, int MTILES, bool GRID_SPLIT>
-__global__ void __launch_bounds__(RING_THREADS) gemv_mma(GEMV_PARAMS) {
+// the super-block formats. Both engines give the contract's bytes; the candidates' geometry is the same. THREADS
+// is the CTA (the candidate's threads): the ring's warps share its chunks, the register engine's share nothing.
+template <int CB, int NT, int MTILES, bool GRID_SPLIT, int THREADS>
+__global__ void __launch_bounds__(THREADS) gemv_mma(GEMV_PARAMS) {
     if constexpr (Traits<CB>::RING)
-        mma_ring<CB, NT, MTILES, GRID_SPLIT>(payload, high, scale, minv, sub, qa, da, sa, M, N, KB, width, out, ws);
+        mma_ring<CB, NT, MTILES, GRID_SPLIT, THREADS>(payload, high, scale, minv, sub, qa, da, sa, M, N, KB, width, out,
+                                                      ws);
     else
         mma_registers<CB, NT, MTILES, GRID_SPLIT>(payload, high, scale, minv, sub, qa, da, sa, M, N, KB, width, out,
                                                   ws);
