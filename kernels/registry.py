@@ -193,9 +193,9 @@ def _build() -> tuple[Candidate, ...]:
     mma = [Candidate("wide", 1, 128, mma_tiles=t) for t in (2, 4)] + [
         Candidate("kpar", s, 128, mma_tiles=2) for s in (2, 4, 8, 16, 32)
     ]
-    # Rings of 8 warps (version 26): on mid-size N at M = 16 a grid of 128-thread CTAs fills under half a wave, so
-    # each SM runs 4-8 warps; 8-warp CTAs of the same outputs double that and share a block's activation rows among
-    # 8 warps instead of 4. In version 26's corpus they win few cells, by a little (bench/NOTES.md row 26).
+    # Rings of 8 warps of 2 tiles (version 26): a chunk's activation rows are staged once for 8 warps instead of 4,
+    # half the staging per output on half the CTAs. In version 26's corpus they win few cells, by a little
+    # (bench/NOTES.md row 26).
     mma += [Candidate("wide", 1, 256, mma_tiles=2)] + [Candidate("kpar", s, 256, mma_tiles=2) for s in (4, 8)]
     # Staged twins of the dp4a launches, for M = 1 (version 22: faster on the large Q4_0 shapes, slower on small).
     # In version 23's corpus two twins won no M = 1 cell: kpar.s64.t128.c1's was never within 2 % of the best,
