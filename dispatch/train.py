@@ -385,26 +385,28 @@ def _fit_tree(rows: _Rows, names: tuple[str, ...], options: Sequence[Any], param
 
     reg = DecisionTreeRegressor(min_samples_leaf=params.min_samples_leaf, max_leaf_nodes=params.max_leaf_nodes,
                                 random_state=random_state)
-    reg.fit(rows.x.astype(np.float64), rows.y, sample_weight=rows.weight)
+    x = rows.x.astype(np.float64)
+    reg.fit(x, rows.y, sample_weight=rows.weight)
     t = reg.tree_
-    paths = reg.decision_path(rows.x.astype(np.float64)).tocsc()  # rows x nodes: the nodes each row passes
+    paths = reg.decision_path(x).tocsc()  # rows x nodes: the nodes each row passes
+    node_rows = [np.sort(paths[:, i].indices) for i in range(t.node_count)]
     parent = np.full(t.node_count, -1)
     for i in range(t.node_count):
         if t.children_left[i] != -1:
             parent[t.children_left[i]] = parent[t.children_right[i]] = i
 
-    def rows_of(node: int) -> np.ndarray:
-        return np.sort(paths[:, node].indices)
+    def ancestors(node: int) -> list[np.ndarray]:
+        """The rows of each node above `node`, nearest first."""
+        up = []
+        while (node := parent[node]) != -1:
+            up.append(node_rows[node])
+        return up
 
     nodes, leaves = [], []
     for i in range(t.node_count):
         if t.children_left[i] == -1:
-            up, a = [], parent[i]
-            while a != -1:
-                up.append(rows_of(a))
-                a = parent[a]
             nodes.append((-1, 0, 0, 0, len(leaves)))
-            leaves.append(_preference(rows, rows_of(i), options, up))
+            leaves.append(_preference(rows, node_rows[i], options, ancestors(i)))
         else:  # x <= t (float midpoint) is x <= floor(t) for an integer x
             nodes.append((int(t.feature[i]), math.floor(t.threshold[i]), int(t.children_left[i]),
                           int(t.children_right[i]), 0))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 from corpus_fixture import build_corpus, fake_provenance
@@ -12,7 +13,16 @@ from gemv_dispatch.dispatch import evaluate as ev
 from gemv_dispatch.dispatch.cli import main
 from gemv_dispatch.dispatch.corpus import load
 from gemv_dispatch.dispatch.policy import load as load_policy
-from gemv_dispatch.dispatch.train import Measurements, TimeModel, TrainOptions, best_launch, fit_policy, train
+from gemv_dispatch.dispatch.train import (
+    Measurements,
+    TimeModel,
+    TrainOptions,
+    _preference,
+    _Rows,
+    best_launch,
+    fit_policy,
+    train,
+)
 from gemv_dispatch.kernels.errors import InputError
 
 COMMITTED = Path(__file__).resolve().parents[1] / "corpus" / "nvidia-h200"
@@ -150,9 +160,6 @@ def test_a_leaf_ranks_an_identity_it_never_saw_by_its_nearest_ancestor():
     """A launch leaf whose rows all hold one identity (here options 'b32') must still order the launches of another
     identity sensibly when the identity tree hands it one: by their regret in the nearest ancestor that saw them.
     Negative control: without ancestors they tie, and registry order puts the slow launch first."""
-    import numpy as np
-    from gemv_dispatch.dispatch.train import _preference, _Rows
-
     options = ("a16.slow", "a16.fast", "b32")
     usable = np.array([[False, False, True], [False, False, True], [True, True, False], [True, True, False]])
     y = np.array([[0.0, 0.0, 0.0], [0.0, 0.0, 0.0], [1.0, 0.1, 1.0], [1.2, 0.2, 1.2]])
