@@ -820,6 +820,10 @@ __device__ __forceinline__ void mma_registers(GEMV_PARAMS) {
     const int b_begin = p * width;
     const int b_end = min(KB, b_begin + width);
     const int g_begin = b_begin / G, g_end = (b_end + G - 1) / G;
+    // The lane's word within a payload row and an activation row, added once: each load's address is then one
+    // IMAD.WIDE.U32 of its 32-bit index from these bases, plus an immediate offset.
+    const u32* __restrict__ payload_t = payload + t;
+    const int* __restrict__ qa_t = qa + t;
 
     for (int m0 = 0; m0 < M; m0 += 16 * MTILES) {
         float acc[NT][MTILES][4];
@@ -838,8 +842,8 @@ __device__ __forceinline__ void mma_registers(GEMV_PARAMS) {
                         const int b0 = (gr0 + u) * G;
                         const u32 col = block_index(b0, N, n_warp + 8 * j);  // first output of the tile, first row
 #pragma unroll
-                        for (int i = 0; i < G; ++i) x.w[i] = __ldg(payload + (u64)(col + i * N + g) * T::WORDS + t);
-                        if (CB == Q8_0) x.w_hi = __ldg(payload + (u64)(col + g) * T::WORDS + 4 + t);
+                        for (int i = 0; i < G; ++i) x.w[i] = __ldg(payload_t + (u64)(col + i * N + g) * T::WORDS);
+                        if (CB == Q8_0) x.w_hi = __ldg(payload_t + (u64)(col + g) * T::WORDS + 4);
                         if (T::HIGH) x.high[0] = __ldg(high + (u64)(col + g));
                         if (CB == Q6_K) {  // qh words of elements 4t.. (row t/2 of the quad) and 16+4t.. (row 2+t/2)
                             x.high[0] = __ldg(high + (u64)(col + (t >> 1) * N + g) * 2 + (t & 1));
@@ -873,10 +877,11 @@ __device__ __forceinline__ void mma_registers(GEMV_PARAMS) {
                             a[i][h] = a[i][2 + h] = 0;
                             rows[i][h] = RowBlock<CB>::of(0.0f, 0);
                             if (r < M) {
-                                const u64 ab = block_index(b, M, r);
-                                a[i][h] = __ldg(qa + ab * 8 + t);
-                                a[i][2 + h] = __ldg(qa + ab * 8 + 4 + t);
-                                rows[i][h] = RowBlock<CB>::of(__ldg(da + ab), __ldg(sa + ab));
+                                const u32 ab = block_index(b, M, r);
+                                const int* q = qa_t + (u64)ab * 8;
+                                a[i][h] = __ldg(q);
+                                a[i][2 + h] = __ldg(q + 4);
+                                rows[i][h] = RowBlock<CB>::of(__ldg(da + (u64)ab), __ldg(sa + (u64)ab));
                             }
                         }
 #pragma unroll
