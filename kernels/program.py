@@ -37,7 +37,9 @@ def digest() -> str:
 def declared_params(text: str, kernel: str = "gemv_partial") -> list[tuple[str, str]]:
     """(type, name) of each parameter of `kernel` as declared in a kernel source; a parameter list written as the
     macro GEMV_PARAMS is read from the macro's definition."""
-    head = re.search(rf"__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?{kernel}\s*\(([^)]*)\)", text)
+    # The bounds may call a constexpr function: one level of nested parentheses.
+    bounds = r"__launch_bounds__\((?:[^()]|\([^()]*\))*\)\s+"
+    head = re.search(rf"__global__\s+void\s+(?:{bounds})?{kernel}\s*\(([^)]*)\)", text)
     if head is None:
         raise ValueError(f"no __global__ {kernel} in the kernel source")
     params = head.group(1).strip()

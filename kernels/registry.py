@@ -197,6 +197,9 @@ def _build() -> tuple[Candidate, ...]:
     # half the staging per output on half the CTAs. In version 26's corpus they win few cells, by a little
     # (bench/NOTES.md row 26).
     mma += [Candidate("wide", 1, 256, mma_tiles=2)] + [Candidate("kpar", s, 256, mma_tiles=2) for s in (4, 8)]
+    # 8 warps of 1 tile (version 28): the 4-warp CTA's 64 outputs with twice its warps, so at M = 16 on mid-size N,
+    # where the grid fills under half a wave, each SM holds twice the warps with half the work each.
+    mma += [Candidate("wide", 1, 256, mma_tiles=1)] + [Candidate("kpar", s, 256, mma_tiles=1) for s in (4, 8)]
     # Staged twins of the dp4a launches, for M = 1 (version 22: faster on the large Q4_0 shapes, slower on small).
     # In version 23's corpus two twins won no M = 1 cell: kpar.s64.t128.c1's was never within 2 % of the best,
     # direct.s2.t32.c1's never the best; they are not built.

@@ -1129,8 +1129,17 @@ __device__ __forceinline__ void mma_ring(GEMV_PARAMS) {
 // formats, registers for Q8_0 (a ring chunk holds too few of its 32-byte blocks: bench/NOTES.md version 9) and
 // the super-block formats. Both engines give the contract's bytes; the candidates' geometry is the same. THREADS
 // is the CTA (the candidate's threads): the ring's warps share its chunks, the register engine's share nothing.
+// Told only a CTA size above 128, ptxas aims at 64 registers and spills some 8-warp instantiations; naming the
+// CTAs per SM that the register cap still allows lets it use up to the cap. 128-thread CTAs keep ptxas's default
+// (0: no minimum), whose registers are the measured ones.
+constexpr int REGISTER_FILE = 65536;  // per SM: registry.REGISTER_FILE (tests/test_compile.py)
+constexpr int REGISTER_CAP = 128;     // per thread: --maxrregcount, program.MAX_REGISTERS (tests/test_compile.py)
+template <int THREADS> constexpr int min_ctas_per_sm() {
+    return THREADS > 128 ? REGISTER_FILE / (THREADS * REGISTER_CAP) : 0;
+}
+
 template <int CB, int NT, int MTILES, bool GRID_SPLIT, int THREADS>
-__global__ void __launch_bounds__(THREADS) gemv_mma(GEMV_PARAMS) {
+__global__ void __launch_bounds__(THREADS, min_ctas_per_sm<THREADS>()) gemv_mma(GEMV_PARAMS) {
     if constexpr (Traits<CB>::RING)
         mma_ring<CB, NT, MTILES, GRID_SPLIT, THREADS>(payload, high, scale, minv, sub, qa, da, sa, M, N, KB, width, out,
                                                       ws);

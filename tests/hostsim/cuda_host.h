@@ -21,7 +21,7 @@
 #define __forceinline__ inline
 #define __restrict__ __restrict
 #define __align__(n) __attribute__((aligned(n)))
-#define __launch_bounds__(n)
+#define __launch_bounds__(...)
 #define __shared__ static  // one array per instantiation, shared by the fibers of the CTA (CTAs run in turn)
 
 struct uint4 { unsigned x, y, z, w; };
