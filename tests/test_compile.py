@@ -67,6 +67,7 @@ def test_a_staged_block_is_the_registrys():
 def test_the_thread_limit_follows_the_register_cap():
     """No CTA of more threads than the register file holds at --maxrregcount: a launch of such a CTA fails."""
     assert registry.MAX_CTA_THREADS * program.MAX_REGISTERS == registry.REGISTER_FILE
+    assert program.source().count("__launch_bounds__(") == 1
     launch_bounds = re.findall(r"__launch_bounds__\((\w+), (\w+)<THREADS>\(\)\)", program.source())
     # The one bound: gemv_mma's CTA (the threads its candidate launches) and the CTAs per SM its registers allow.
     assert launch_bounds == [("THREADS", "min_ctas_per_sm")]
