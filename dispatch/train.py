@@ -389,7 +389,8 @@ def _fit_tree(rows: _Rows, names: tuple[str, ...], options: Sequence[Any], param
     reg.fit(x, rows.y, sample_weight=rows.weight)
     t = reg.tree_
     paths = reg.decision_path(x).tocsc()  # rows x nodes: the nodes each row passes
-    node_rows = [np.sort(paths[:, i].indices) for i in range(t.node_count)]
+    # Column i's row indices straight from the CSC arrays (slicing a column builds a matrix per node).
+    node_rows = [np.sort(paths.indices[paths.indptr[i]:paths.indptr[i + 1]]) for i in range(t.node_count)]
     parent = np.full(t.node_count, -1)
     for i in range(t.node_count):
         if t.children_left[i] != -1:
