@@ -103,6 +103,14 @@ __device__ __forceinline__ float half_bits_to_float(u16 h) {
     return f;
 }
 
+// prmt.b32, default mode: byte i of the result is byte s_i & 7 of {b, a} (a bytes 0-3), or with s_i & 8 that byte's
+// sign replicated; only bits 0-15 of s are read. (The host twin is in tests/hostsim.)
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 s) {
+    u32 r;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(s));
+    return r;
+}
+
 // float(s) for |s| < 2^22, exactly: see magic_to_float.
 __device__ __forceinline__ float sub_rn(float a, float b) {
     float r;
@@ -135,20 +143,23 @@ __device__ __forceinline__ u32 block_index(int r, int n, int c) { return (u32)r 
 // disjoint bit ranges (4..7, 11..14, 18..21, 25..28), so the sum carries nowhere and bit 4 + 8j is bit j.
 __device__ __forceinline__ u32 high_bits_to_bytes(u32 h) { return ((h & 0xFu) * 0x02040810u) & 0x10101010u; }
 
-// IQ4_NL: the 16 int8 kvalues of the nibble table, little-endian in four words.
+// IQ4_NL: the 16 int8 kvalues of the nibble table, little-endian in four words. prmt picks a table byte by a selector
+// nibble's bits 0-2 and replicates its sign where bit 3 is set: nibbles 0..7 index the first half as they are (the
+// bytes 8..15 give there are discarded by the pick), nibbles 8..15 index the second half once bit 3 is cleared, and
+// the pick takes byte k of the first or of the second half by bit 3. A word's selectors are made once for both its
+// halves (__byte_perm would clear bit 3 of every selector again: one more instruction per call).
 __device__ __forceinline__ void iq4nl_lookup(u32 w, u32& lo, u32& hi) {
     const u32 t0 = 0xBFAD9881u, t1 = 0xF6EADDCFu, t2 = 0x26190D01u, t3 = 0x71594535u;
+    const u32 second = w & 0x77777777u;
+    const u32 pick = ((w >> 1) & 0x44444444u) | 0x32103210u;
     u32 r[2];
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        // Selector nibbles: the raw nibbles of bytes 2i and 2i+1 (low, high, low, high).
-        const u32 sel = w >> (16 * i);
-        const u32 first8 = __byte_perm(t0, t1, sel & 0x7777u);
-        const u32 last8 = __byte_perm(t2, t3, sel & 0x7777u);
-        r[i] = __byte_perm(first8, last8, 0x3210u | ((sel & 0x8888u) >> 1));
+    for (int i = 0; i < 2; ++i) {  // the nibbles of bytes 2i and 2i+1 (low, high, low, high); prmt reads bits 0-15
+        const int s = 16 * i;
+        r[i] = prmt(prmt(t0, t1, w >> s), prmt(t2, t3, second >> s), pick >> s);
     }
-    lo = __byte_perm(r[0], r[1], 0x6420u);  // values of elements 4k..4k+3
-    hi = __byte_perm(r[0], r[1], 0x7531u);  // values of elements 16+4k..16+4k+3
+    lo = prmt(r[0], r[1], 0x6420u);  // values of elements 4k..4k+3
+    hi = prmt(r[0], r[1], 0x7531u);  // values of elements 16+4k..16+4k+3
 }
 
 // Four unsigned 6-bit codes (one per byte) minus 32, as int8 bytes: flipping bit 5 gives the 6-bit two's
@@ -927,21 +938,25 @@ __device__ __forceinline__ void mma_registers(GEMV_PARAMS) {
 // activation rows, padded to 48 bytes so the fragment loads are conflict-free. Rows past M and outputs past N
 // are zero-filled by the copy itself (src-size 0). One barrier per chunk; every loop has a compile-time trip
 // count. Legacy formats with 16-byte payloads only (Traits::RING).
+// The copies take the ring's address in the shared state space (bytes), made once per CTA: converting a generic
+// pointer per copy cost the chunk's issue ~2 instructions a piece. The host simulator addresses bytes directly.
 #ifndef GEMV_HOSTSIM
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
-    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(gmem), "r"(valid ? 16 : 0));
+typedef u32 SharedBytes;
+__device__ __forceinline__ SharedBytes shared_at(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void cp_async16(SharedBytes to, const void* gmem, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(to), "l"(gmem), "r"(valid ? 16 : 0));
 }
-__device__ __forceinline__ void cp_async4(void* smem, const void* gmem, bool valid) {
-    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(s), "l"(gmem), "r"(valid ? 4 : 0));
+__device__ __forceinline__ void cp_async4(SharedBytes to, const void* gmem, bool valid) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(to), "l"(gmem), "r"(valid ? 4 : 0));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
 #else  // the host's copies complete at once
-inline void cp_async16(void* smem, const void* gmem, bool valid) { valid ? (void)std::memcpy(smem, gmem, 16) : (void)std::memset(smem, 0, 16); }
-inline void cp_async4(void* smem, const void* gmem, bool valid) { valid ? (void)std::memcpy(smem, gmem, 4) : (void)std::memset(smem, 0, 4); }
+typedef unsigned char* SharedBytes;
+inline SharedBytes shared_at(const void* p) { return (SharedBytes)p; }
+inline void cp_async16(SharedBytes to, const void* gmem, bool valid) { valid ? (void)std::memcpy(to, gmem, 16) : (void)std::memset(to, 0, 16); }
+inline void cp_async4(SharedBytes to, const void* gmem, bool valid) { valid ? (void)std::memcpy(to, gmem, 4) : (void)std::memset(to, 0, 4); }
 inline void cp_async_commit() {}
 template <int N>
 inline void cp_async_wait() {}
@@ -960,9 +975,9 @@ struct Chunk {
     static constexpr int KC = KC_, OUT = THREADS / 32 * 8 * NT, ROWS = 16 * MTILES;
     static constexpr int PAY = KC * OUT * T::WORDS;
     static constexpr int SCALE = KC * OUT / 2, MIN = T::ASYM ? SCALE : 0, HIGH = T::HIGH ? KC * OUT : 0;
-    static constexpr int Q = KC * ROWS * ROW_WORDS, D = KC * ROWS, S = KC * ROWS;
+    static constexpr int Q = KC * ROWS * ROW_WORDS, DS = 2 * KC * ROWS;  // a row's (d_a, sum_a): one 8-byte load
     static constexpr int pay = 0, scale = pay + PAY, min = scale + SCALE, high = min + MIN, q = high + HIGH;
-    static constexpr int d = q + Q, s = d + D, words = s + S;
+    static constexpr int ds = q + Q, words = ds + DS;
 };
 
 // Blocks per chunk: 8, else 4, else 2, whichever ring fits the family's shared memory.
@@ -973,6 +988,21 @@ struct RingShape {
                             : RING_STAGES * Chunk<CB, NT, MTILES, 4, THREADS>::words * 4 <= LIMIT ? 4 : 2;
     typedef Chunk<CB, NT, MTILES, KC, THREADS> C;
 };
+
+// One part of a ring chunk: KC blocks of PER pieces each, piece e = u * PER + item. Thread `tid` copies pieces tid,
+// tid + THREADS, ...: PER divides THREADS, so its item is the same in every round (and every chunk: what depends on
+// the item alone hoists out of the chunk loop) and its block advances by THREADS / PER per round.
+template <int KC, int PER, int THREADS, typename Copy>
+__device__ __forceinline__ void for_pieces(int tid, Copy copy) {
+    static_assert(THREADS % PER == 0, "a thread's item must not change between rounds");
+    constexpr int STEP = THREADS / PER;
+    const int item = tid % PER, u0 = tid / PER;
+#pragma unroll
+    for (int i = 0; i < (KC + STEP - 1) / STEP; ++i) {
+        const int u = u0 + i * STEP;
+        if (KC % STEP == 0 || u < KC) copy(u, item, u * PER + item);
+    }
+}
 
 // Blocks [0, cn) of a landed ring chunk for the warp's first `tiles` 8-output tiles, `left` = M minus the pass's first
 // row (rows past M are zero-filled, so computing them is harmless; mma_tile skips the float work of empty halves).
@@ -995,7 +1025,8 @@ __device__ __forceinline__ void ring_chunk(const u32* slot, int cn, int tiles, i
                 const u32* q = slot + C::q + (u * ROWS + r) * ROW_WORDS;
                 a[i][h] = (int)q[t];
                 a[i][2 + h] = (int)q[4 + t];
-                rows[i][h] = RowBlock<CB>::of(__uint_as_float(slot[C::d + u * ROWS + r]), (int)slot[C::s + u * ROWS + r]);
+                const uint2 ds = *reinterpret_cast<const uint2*>(slot + C::ds + 2 * (u * ROWS + r));
+                rows[i][h] = RowBlock<CB>::of(__uint_as_float(ds.x), (int)ds.y);
             }
 #pragma unroll
         for (int j = 0; j < NT; ++j) {
@@ -1019,7 +1050,8 @@ template <int CB, int NT, int MTILES, bool GRID_SPLIT, int THREADS>
 __device__ __forceinline__ void mma_ring(GEMV_PARAMS) {
     typedef Traits<CB> T;
     typedef typename RingShape<CB, NT, MTILES, GRID_SPLIT, THREADS>::C C;
-    constexpr int KC = C::KC, OUT = C::OUT, ROWS = C::ROWS, ST = RING_STAGES, PIECES = T::WORDS / 4;
+    constexpr int KC = C::KC, OUT = C::OUT, ROWS = C::ROWS, ST = RING_STAGES;
+    static_assert(T::WORDS == 4, "a ring payload row is one 16-byte piece");
     __shared__ __align__(16) u32 ring[ST][C::words];
 
     const int tid = threadIdx.x, lane = tid & 31, g = lane >> 2, t = lane & 3;
@@ -1031,70 +1063,50 @@ __device__ __forceinline__ void mma_ring(GEMV_PARAMS) {
     const int b_end = min(KB, b_begin + width);
     const int chunks = (b_end - b_begin + KC - 1) / KC;
 
+    const SharedBytes ring_at = shared_at(ring);
+    // The copies' columns: a thread's item of a part is the same in every chunk (for_pieces), so its clamped column
+    // and bound are made once; past N the copy zero-fills from the clamped (valid) address.
+    const int last_block = b_end - 1;
     for (int m0 = 0; m0 < M; m0 += ROWS) {
-        // Chunk c into ring slot c % ST: 16-byte pieces, consecutive threads on consecutive pieces.
+        const int left = M - m0;  // the pass's rows below M
+        // Chunk c into ring slot c % ST: consecutive threads on consecutive pieces of each part.
         auto issue = [&](int c) {
-            u32* slot = ring[c % ST];
+            const SharedBytes slot = ring_at + c % ST * (C::words * 4);
             const int b0 = b_begin + c * KC, cn = min(KC, b_end - b0);
-            constexpr int PAY_PIECES = KC * OUT * PIECES;
-#pragma unroll
-            for (int i = 0; i < (PAY_PIECES + THREADS - 1) / THREADS; ++i) {
-                const int e = tid + i * THREADS;
-                const int u = e / (OUT * PIECES), o = e / PIECES % OUT, piece = e % PIECES;
-                const bool ok = e < PAY_PIECES && u < cn && n_cta + o < N;
-                const u32* src = payload + (u64)block_index(b0 + u, N, n_cta + o) * T::WORDS + 4 * piece;
-                if (e < PAY_PIECES) cp_async16(slot + C::pay + (u * OUT + o) * T::WORDS + 4 * piece, ok ? src : payload, ok);
-            }
-            constexpr int SCALE_PIECES = KC * OUT / 8;
-#pragma unroll
-            for (int i = 0; i < (SCALE_PIECES + THREADS - 1) / THREADS; ++i) {
-                const int e = tid + i * THREADS;
-                const int u = e / (OUT / 8), o = e % (OUT / 8) * 8;
-                const bool ok = e < SCALE_PIECES && u < cn && n_cta + o < N;
-                const u64 at = block_index(b0 + u, N, n_cta + o);
-                if (e < SCALE_PIECES) {
-                    cp_async16(slot + C::scale + (u * OUT + o) / 2, ok ? scale + at : scale, ok);
-                    if (T::ASYM) cp_async16(slot + C::min + (u * OUT + o) / 2, ok ? minv + at : minv, ok);
-                }
-            }
-            if (T::HIGH) {
-                constexpr int HIGH_PIECES = KC * OUT / 4;
-#pragma unroll
-                for (int i = 0; i < (HIGH_PIECES + THREADS - 1) / THREADS; ++i) {
-                    const int e = tid + i * THREADS;
-                    const int u = e / (OUT / 4), o = e % (OUT / 4) * 4;
-                    const bool ok = e < HIGH_PIECES && u < cn && n_cta + o < N;
-                    const u64 at = block_index(b0 + u, N, n_cta + o);
-                    if (e < HIGH_PIECES) cp_async16(slot + C::high + u * OUT + o, ok ? high + at : high, ok);
-                }
-            }
-            constexpr int Q_PIECES = KC * ROWS * 2;
-#pragma unroll
-            for (int i = 0; i < (Q_PIECES + THREADS - 1) / THREADS; ++i) {
-                const int e = tid + i * THREADS;
-                const int u = e / (ROWS * 2), r = e / 2 % ROWS, half = e & 1;
-                const bool ok = e < Q_PIECES && u < cn && m0 + r < M;
-                const int* src = qa + (u64)block_index(b0 + u, M, m0 + r) * 8 + 4 * half;
-                if (e < Q_PIECES) cp_async16(slot + C::q + (u * ROWS + r) * ROW_WORDS + 4 * half, ok ? src : qa, ok);
-            }
-            constexpr int D_COPIES = KC * ROWS;
-#pragma unroll
-            for (int i = 0; i < (D_COPIES + THREADS - 1) / THREADS; ++i) {
-                const int e = tid + i * THREADS;
-                const int u = e / ROWS, r = e % ROWS;
-                const bool ok = e < D_COPIES && u < cn && m0 + r < M;
-                const u64 ab = block_index(b0 + u, M, m0 + r);
-                if (e < D_COPIES) {
-                    cp_async4(slot + C::d + e, ok ? da + ab : da, ok);
-                    cp_async4(slot + C::s + e, ok ? sa + ab : sa, ok);
-                }
-            }
+            auto block = [&](int u) { return min(b0 + u, last_block); };
+            auto column = [&](int o) { return min(n_cta + o, N - 1); };
+            for_pieces<KC, OUT, THREADS>(tid, [&](int u, int o, int e) {  // 16 bytes: a payload row
+                const bool ok = u < cn && n_cta + o < N;
+                cp_async16(slot + 4 * (C::pay + e * T::WORDS), payload + (u64)block_index(block(u), N, column(o)) * T::WORDS, ok);
+            });
+            for_pieces<KC, OUT / 8, THREADS>(tid, [&](int u, int o8, int e) {  // 8 fp16 scales (mins)
+                const bool ok = u < cn && n_cta + 8 * o8 < N;
+                const u32 at = block_index(block(u), N, column(8 * o8));
+                cp_async16(slot + 4 * C::scale + 16 * e, scale + at, ok);
+                if (T::ASYM) cp_async16(slot + 4 * C::min + 16 * e, minv + at, ok);
+            });
+            if (T::HIGH)
+                for_pieces<KC, OUT / 4, THREADS>(tid, [&](int u, int o4, int e) {  // 4 high-bit words
+                    const bool ok = u < cn && n_cta + 4 * o4 < N;
+                    cp_async16(slot + 4 * C::high + 16 * e, high + block_index(block(u), N, column(4 * o4)), ok);
+                });
+            for_pieces<KC, 2 * ROWS, THREADS>(tid, [&](int u, int rh, int e) {  // half an activation row
+                const int r = rh >> 1, half = rh & 1;
+                const bool ok = u < cn && r < left;
+                const int* src = qa + (u64)block_index(block(u), M, min(m0 + r, M - 1)) * 8 + 4 * half;
+                cp_async16(slot + 4 * (C::q + (u * ROWS + r) * ROW_WORDS + 4 * half), src, ok);
+            });
+            for_pieces<KC, ROWS, THREADS>(tid, [&](int u, int r, int e) {  // a row's (d_a, sum_a)
+                const bool ok = u < cn && r < left;
+                const u32 at = block_index(block(u), M, min(m0 + r, M - 1));
+                cp_async4(slot + 4 * (C::ds + 2 * e), da + at, ok);
+                cp_async4(slot + 4 * (C::ds + 2 * e + 1), sa + at, ok);
+            });
         };
 
         float acc[NT][MTILES][4];
         zero(acc);
         constexpr int ROWS_ALL = 16 * MTILES;  // the pass's rows
-        const int left = M - m0;
 #pragma unroll
         for (int c = 0; c < ST - 1; ++c) {
             if (c < chunks) issue(c);

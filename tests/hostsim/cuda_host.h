@@ -231,8 +231,8 @@ inline unsigned __float_as_uint(float f) { unsigned i; std::memcpy(&i, &f, 4); r
 inline int __float_as_int(float f) { int i; std::memcpy(&i, &f, 4); return i; }
 
 // prmt.b32 (default mode): byte i of the result is byte s_i & 7 of {b, a} (a bytes 0-3), or with s_i & 8 that
-// byte's sign replicated.
-inline unsigned __byte_perm(unsigned a, unsigned b, unsigned s) {
+// byte's sign replicated; only bits 0-15 of s are read.
+inline unsigned prmt(unsigned a, unsigned b, unsigned s) {
     const unsigned long long ab = ((unsigned long long)b << 32) | a;
     unsigned r = 0;
     for (int i = 0; i < 4; ++i) {
