@@ -7,6 +7,8 @@
 # included) so that the tarball is written inside the device call's limit: the cells finished by then come
 # back and a rerun resumes. Run nothing else in the same call unless SECONDS leaves room for it (a call killed
 # at its limit returns only what already lies under $OUT). ROOT (default corpus) -> $OUT/ROOT.tgz.
+# A call returns at most 8 files from $OUT and this script writes 3: whatever else the call runs must write at most 5,
+# or the tarball may be the one left behind (a machine still warm keeps ROOT: a prompt rerun resumes from it).
 # The tarball is the whole ROOT: replace the GPU folder with it (`rm -rf corpus/nvidia-h200; tar xzf corpus.tgz`), as a
 # resumed sweep compacts the earlier call's shards and an old shard left beside the new manifest refuses the corpus.
 set -uo pipefail
