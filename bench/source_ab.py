@@ -5,7 +5,9 @@
 
 Each source is a file (not a revision: the device copy has no git history), the first the baseline; the working
 tree's source ("tree") is always timed too. All are built with the same options and name expressions, so they
-must keep the parameter list and the workspace layout. Every version of a candidate enters one
+must keep the parameter list and the workspace layout; a source whose gemv_mma takes fewer template arguments than
+the tree's gets each name cut to its own (an argument added since, e.g. version 32's WEIGHTS_A, is timed against the
+older source's one path). Every version of a candidate enters one
 time_candidates call (graph replay, cold L2 by rotation, interleaved rounds, medians, no racing): each ratio
 comes from one run. First every version's instantiations of the family are compiled with nvcc (sm_90, the
 contract's options): a version that spills is refused (the certificate's spill_free check would refuse its table
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -34,9 +37,25 @@ from gemv_dispatch.kernels.registry import CANDIDATES, candidates_for, kernel_na
 
 CONFIG = replace(sweep_timing(), window_us=300.0, race=False)
 TREE = "tree"
+_MMA_TEMPLATE = re.compile(r"template <([^<>]*)>\s*__global__ void [^\n]*\bgemv_mma\(")
 
 
-def time_cell(modules: dict[str, Any], codebook: str, m: int, n: int, k: int, family: str, stream: Any,
+def mma_arity(text: str) -> int:
+    """Template arguments of gemv_mma in a kernel source."""
+    found = _MMA_TEMPLATE.search(text)
+    if found is None:
+        raise SystemExit("a kernel source without gemv_mma")
+    return found.group(1).count(",") + 1
+
+
+def spelled(name: str, arity: int) -> str:
+    """A registry kernel name as a source whose gemv_mma takes `arity` template arguments instantiates it."""
+    if not name.startswith("gemv_mma<"):
+        return name
+    return "gemv_mma<" + ", ".join(name[len("gemv_mma<"):-1].split(", ")[:arity]) + ">"
+
+
+def time_cell(modules: dict[str, tuple[Any, int]], codebook: str, m: int, n: int, k: int, family: str, stream: Any,
               l2: int) -> list[dict[str, Any]]:
     """Every version of every `family` candidate of the cell: medians (µs) by version, bytes checked first."""
     rng = cp.random.default_rng(cell_seed(codebook, n, k, CONFIG.seed))
@@ -49,13 +68,13 @@ def time_cell(modules: dict[str, Any], codebook: str, m: int, n: int, k: int, fa
     need = max(c.workspace_bytes(m, n, k) for c in candidates)
     launches, results = {}, {}
     for c in candidates:
-        for tag, module in modules.items():
+        for tag, (module, arity) in modules.items():
             with stream:
                 out = cp.full((m, n), np.nan, cp.float32)
                 ws = launch.new_workspace(need, n) if need else None
             plans = [launch.plan(c, w, m) for w in copies]
             if module is not None:
-                kernel = module.get_function(c.kernel_name(codebook, m))
+                kernel = module.get_function(spelled(c.kernel_name(codebook, m), arity))
                 plans = [replace(p, kernel=kernel) for p in plans]
             launches[f"{tag}:{c.id}"] = lambda i, plans=plans, out=out, ws=ws: plans[i].enqueue(store, out, ws, stream)
             launches[f"{tag}:{c.id}"](0)
@@ -72,19 +91,21 @@ def time_cell(modules: dict[str, Any], codebook: str, m: int, n: int, k: int, fa
              "us": {tag: stats[f"{tag}:{c.id}"].median_us for tag in modules}} for c in candidates]
 
 
-def registers(texts: dict[str, str], family: str, codebooks: list[str], ms: list[int]) -> dict[str, dict[str, int]]:
+def registers(texts: dict[str, str], arities: dict[str, int], family: str, codebooks: list[str],
+              ms: list[int]) -> dict[str, dict[str, int]]:
     """Registers by version and kernel name of the family's instantiations; a version that spills is refused."""
     names = sorted({c.kernel_name(cb, m) for c in CANDIDATES if c.family == family for cb in codebooks for m in ms})
     found = {}
     for tag, text in texts.items():
-        built = ptxas.compile_parallel(names, text=text)
+        built = ptxas.compile_parallel(sorted({spelled(n, arities[tag]) for n in names}), text=text)
         if spills := [r.describe() for r in built if not r.spill_free]:
             raise SystemExit(f"{tag} spills: {'; '.join(spills)}")
         found[tag] = {r.name: r.registers for r in built if r.name not in program.HELPER_KERNELS}
     width = max(map(len, names))
     print(f"{'registers':{width}s} " + " ".join(f"{t:>8s}" for t in found))
     for name in names:
-        print(f"{name:{width}s} " + " ".join(f"{found[t].get(name, 0):8d}" for t in found))
+        cells = (found[t].get(spelled(name, arities[t]), 0) for t in found)
+        print(f"{name:{width}s} " + " ".join(f"{r:8d}" for r in cells))
     return found
 
 
@@ -116,13 +137,17 @@ def main() -> None:
     texts = {p.stem: p.read_text() for p in args.sources}
     tags = [*texts, TREE]
     codebooks, ms = args.codebooks.split(","), [int(m) for m in args.ms.split(",")]
-    regs = registers(texts | {TREE: program.source()}, args.family, codebooks, ms)
+    every = texts | {TREE: program.source()}
+    arities = {tag: mma_arity(text) for tag, text in every.items()}
+    regs = registers(every, arities, args.family, codebooks, ms)
     rows: list[dict[str, Any]] = []
     print(header(tags), flush=True)
     for codebook in codebooks:
         names = list(kernel_names(codebook))
-        modules = {tag: cp.RawModule(code=text, options=program.CONTRACT_OPTIONS, name_expressions=names)
-                   for tag, text in texts.items()} | {TREE: None}
+        modules = {tag: (cp.RawModule(code=text, options=program.CONTRACT_OPTIONS,
+                                      name_expressions=sorted({spelled(n, arities[tag]) for n in names})),
+                         arities[tag])
+                   for tag, text in texts.items()} | {TREE: (None, arities[TREE])}
         for m in ms:
             for n, k in ANCHORS:
                 cell = time_cell(modules, codebook, m, n, k, args.family, stream, l2)

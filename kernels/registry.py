@@ -75,6 +75,19 @@ def mma_row_tiles(m: int) -> int:
     return MMA_ROW_TILES[-1] if m > MMA_ROWS else MMA_ROW_TILES[0]
 
 
+def ring_engine(codebook: str) -> bool:
+    """Whether the tensor-core engine streams this codebook through its shared-memory ring (gemv.cu's Traits::RING:
+    the legacy formats with 16-byte payloads), else holds it in registers."""
+    book = get(codebook)
+    return not book.superblock and book.payload_bytes == 16
+
+
+def weights_as_a(codebook: str, m: int, mma_tiles: int) -> bool:
+    """Whether an mma launch swaps the ring's operands (the weights of 16 outputs as A, MMA_OUTPUTS activation rows
+    as B): for M <= 8 on the ring, in pairs of tiles, so no C value is an empty row."""
+    return ring_engine(codebook) and m <= MMA_OUTPUTS and mma_tiles % 2 == 0
+
+
 @dataclass(frozen=True)
 class Candidate:
     family: Family
@@ -154,7 +167,8 @@ class Candidate:
         cb = CODEBOOK_IDS[get(codebook).name]
         split = "true" if self.grid_split else "false"
         if self.mma_tiles:
-            return f"gemv_mma<{cb}, {self.mma_tiles}, {mma_row_tiles(m)}, {split}, {self.threads}>"
+            swap = "true" if weights_as_a(codebook, m, self.mma_tiles) else "false"
+            return f"gemv_mma<{cb}, {self.mma_tiles}, {mma_row_tiles(m)}, {split}, {self.threads}, {swap}>"
         if self.staged:
             return f"gemv_staged<{cb}, {self.cpt}, {split}>"
         return f"gemv_partial<{cb}, {self.cpt}, {row_tile(m, self.cpt)}, {split}>"

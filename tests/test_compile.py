@@ -68,14 +68,14 @@ def test_the_thread_limit_follows_the_register_cap():
     """No CTA of more threads than the register file holds at --maxrregcount: a launch of such a CTA fails."""
     assert registry.MAX_CTA_THREADS * program.MAX_REGISTERS == registry.REGISTER_FILE
     assert program.source().count("__launch_bounds__(") == 1
-    launch_bounds = re.findall(r"__launch_bounds__\((\w+), (\w+)<THREADS>\(\)\)", program.source())
+    launch_bounds = re.findall(r"__launch_bounds__\((\w+), (\w+)<THREADS, WEIGHTS_A>\(\)\)", program.source())
     # The one bound: gemv_mma's CTA (the threads its candidate launches) and the CTAs per SM its registers allow.
     assert launch_bounds == [("THREADS", "min_ctas_per_sm")]
     constants = dict(re.findall(r"constexpr int (REGISTER_FILE|REGISTER_CAP) = (\d+);", program.source()))
     assert constants == {"REGISTER_FILE": str(registry.REGISTER_FILE), "REGISTER_CAP": str(program.MAX_REGISTERS)}
     for c in registry.CANDIDATES:
         if c.mma_tiles:
-            assert c.kernel_name("Q4_0", 16).endswith(f", {c.threads}>"), c.id
+            assert c.kernel_name("Q4_0", 16).endswith(f", {c.threads}, false>"), c.id
     assert max(c.threads * (1 if c.grid_split else c.ksplit) for c in registry.CANDIDATES) <= registry.MAX_CTA_THREADS
 
 

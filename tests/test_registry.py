@@ -16,6 +16,7 @@ from gemv_dispatch.kernels.registry import (
     candidates_for,
     instantiations,
     kernel_names,
+    ring_engine,
     ticket_words,
 )
 from hypothesis import given, settings
@@ -132,5 +133,15 @@ def test_every_kernel_a_valid_candidate_launches_is_compiled():
 
 def test_mma_row_tiles_follow_m():
     mma = next(c for c in CANDIDATES if c.engine == "mma" and c.family == "kpar")
-    assert mma.kernel_name("Q4_0", 16) == f"gemv_mma<0, {mma.mma_tiles}, 1, true, {mma.threads}>"
-    assert mma.kernel_name("IQ4_NL", 31) == f"gemv_mma<5, {mma.mma_tiles}, 2, true, {mma.threads}>"
+    assert mma.kernel_name("Q4_0", 16) == f"gemv_mma<0, {mma.mma_tiles}, 1, true, {mma.threads}, false>"
+    assert mma.kernel_name("IQ4_NL", 31) == f"gemv_mma<5, {mma.mma_tiles}, 2, true, {mma.threads}, false>"
+
+
+def test_the_ring_takes_the_weights_as_a_at_m_up_to_8_in_tile_pairs():
+    """gemv.cu's Traits::RING (a static_assert there refuses a swapped launch of another codebook, so the compile
+    check fails if the registry names one) is the legacy formats with 16-byte payloads."""
+    assert [cb for cb in CODEBOOKS if ring_engine(cb)] == ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL"]
+    pair = by_id("wide.s1.t128.mma2")
+    assert [pair.kernel_name("Q4_0", m).endswith(", true>") for m in (1, 8, 9, 16)] == [True, True, False, False]
+    assert not pair.kernel_name("Q8_0", 4).endswith(", true>")  # the register engine
+    assert not by_id("wide.s1.t256.mma1").kernel_name("Q4_0", 4).endswith(", true>")  # one tile: no pair

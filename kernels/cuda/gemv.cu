@@ -687,17 +687,20 @@ __global__ void gemv_staged(GEMV_PARAMS) {
 // fragments: lane (g, t) needs elements 4t..4t+3 and 16+4t..16+4t+3 of a block, which are the two nibble
 // halves of payload word t, and its C rows g, g+8 are the A rows whose d_a and sum_a it loads. A Q6_K block
 // takes two mmas, one per 16-element half (the other half's B register zero), for its two scales.
-// C starts at the bias of each row (rows g, g+8 of the lane: c0 and c1), so the results are biased dot products.
+// C starts at the bias of each C value's row, so the results are biased dot products. At M <= 8 the ring swaps
+// the operands (A = weights of 16 outputs, B = activations of 8 rows: ring_chunk_weights_a), so no lane computes an
+// empty row half.
 #ifndef GEMV_HOSTSIM
-__device__ __forceinline__ void mma_s8(const int (&a)[4], int b0, int b1, int c0, int c1, int (&c)[4]) {
+__device__ __forceinline__ void mma_s8(const int (&a)[4], int b0, int b1, const int (&c_in)[4], int (&c)[4]) {
     asm volatile(
-        "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%10,%11,%11};"
+        "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};"
         : "=r"(c[0]), "=r"(c[1]), "=r"(c[2]), "=r"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(c0), "r"(c1));
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(c_in[0]), "r"(c_in[1]), "r"(c_in[2]),
+          "r"(c_in[3]));
 }
 #else
-inline void mma_s8(const int (&a)[4], int b0, int b1, int c0, int c1, int (&c)[4]) {
-    hostsim::mma_m16n8k32_s8(a, b0, b1, c0, c1, c);
+inline void mma_s8(const int (&a)[4], int b0, int b1, const int (&c_in)[4], int (&c)[4]) {
+    hostsim::mma_m16n8k32_s8(a, b0, b1, c_in, c);
 }
 #endif
 
@@ -758,11 +761,12 @@ __device__ __forceinline__ void mma_tile(const int (&a)[MTILES][4], const RowBlo
         if (m0 + 16 * i >= M) break;
         int c[H][4];
         const int c0 = BIAS_C ? rows[i][0].bias : 0, c1 = BIAS_C ? rows[i][1].bias : 0;
+        const int c_in[4] = {c0, c0, c1, c1};  // C rows g, g+8
         if (H == 2) {
-            mma_s8(a[i], lo, 0, c0, c1, c[0]);
-            mma_s8(a[i], 0, hi, c0, c1, c[H - 1]);
+            mma_s8(a[i], lo, 0, c_in, c[0]);
+            mma_s8(a[i], 0, hi, c_in, c[H - 1]);
         } else {
-            mma_s8(a[i], lo, hi, c0, c1, c[0]);
+            mma_s8(a[i], lo, hi, c_in, c[0]);
         }
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -933,10 +937,10 @@ __device__ __forceinline__ void mma_registers(GEMV_PARAMS) {
 }
 
 // Ring engine (bench/NOTES.md, version 9): every operand streamed into shared memory by cp.async through a 3-deep
-// ring of K chunks, so bytes stay in flight while the warps compute, at no register cost. A CTA is 4 warps, 8*NT
-// outputs each; a chunk holds KC blocks of the CTA's payload, scales (mins, high bits) and the M tile's
-// activation rows, padded to 48 bytes so the fragment loads are conflict-free. Rows past M and outputs past N
-// are zero-filled by the copy itself (src-size 0). One barrier per chunk; every loop has a compile-time trip
+// ring of K chunks, so bytes stay in flight while the warps compute, at no register cost. A CTA is THREADS / 32
+// warps, 8*NT outputs each; a chunk holds KC blocks of the CTA's payload, scales (mins, high bits) and the pass's
+// activation rows, padded to 48 bytes so the fragment loads are conflict-free, and their (d_a, sum_a) pairs. Rows
+// past M and outputs past N are zero-filled by the copy itself (src-size 0). One barrier per chunk; every loop has a compile-time trip
 // count. Legacy formats with 16-byte payloads only (Traits::RING).
 // The copies take the ring's address in the shared state space (bytes), made once per CTA: converting a generic
 // pointer per copy cost the chunk's issue ~2 instructions a piece. The host simulator addresses bytes directly.
@@ -969,10 +973,10 @@ constexpr int ROW_WORDS = 12;  // a 32-byte row + 16 bytes of padding: rows g = 
 constexpr int ring_shared(bool grid_split) { return (grid_split ? 32 : 48) * 1024; }
 
 // One chunk's layout in shared memory, in 32-bit words (every part a multiple of 4 words: 16-byte aligned).
-template <int CB, int NT, int MTILES, int KC_, int THREADS>
+template <int CB, int NT, int ROWS_, int KC_, int THREADS>
 struct Chunk {
     typedef Traits<CB> T;
-    static constexpr int KC = KC_, OUT = THREADS / 32 * 8 * NT, ROWS = 16 * MTILES;
+    static constexpr int KC = KC_, OUT = THREADS / 32 * 8 * NT, ROWS = ROWS_;
     static constexpr int PAY = KC * OUT * T::WORDS;
     static constexpr int SCALE = KC * OUT / 2, MIN = T::ASYM ? SCALE : 0, HIGH = T::HIGH ? KC * OUT : 0;
     static constexpr int Q = KC * ROWS * ROW_WORDS, DS = 2 * KC * ROWS;  // a row's (d_a, sum_a): one 8-byte load
@@ -981,17 +985,17 @@ struct Chunk {
 };
 
 // Blocks per chunk: 8, else 4, else 2, whichever ring fits the family's shared memory.
-template <int CB, int NT, int MTILES, bool GRID_SPLIT, int THREADS>
+template <int CB, int NT, int ROWS, bool GRID_SPLIT, int THREADS>
 struct RingShape {
     static constexpr int LIMIT = ring_shared(GRID_SPLIT);
-    static constexpr int KC = RING_STAGES * Chunk<CB, NT, MTILES, 8, THREADS>::words * 4 <= LIMIT ? 8
-                            : RING_STAGES * Chunk<CB, NT, MTILES, 4, THREADS>::words * 4 <= LIMIT ? 4 : 2;
-    typedef Chunk<CB, NT, MTILES, KC, THREADS> C;
+    static constexpr int KC = RING_STAGES * Chunk<CB, NT, ROWS, 8, THREADS>::words * 4 <= LIMIT ? 8
+                            : RING_STAGES * Chunk<CB, NT, ROWS, 4, THREADS>::words * 4 <= LIMIT ? 4 : 2;
+    typedef Chunk<CB, NT, ROWS, KC, THREADS> C;
 };
 
 // One part of a ring chunk: KC blocks of PER pieces each, piece e = u * PER + item. Thread `tid` copies pieces tid,
 // tid + THREADS, ...: PER divides THREADS, so its item is the same in every round (and every chunk: what depends on
-// the item alone hoists out of the chunk loop) and its block advances by THREADS / PER per round.
+// the item alone may be kept across the chunk loop) and its block advances by THREADS / PER per round.
 template <int KC, int PER, int THREADS, typename Copy>
 __device__ __forceinline__ void for_pieces(int tid, Copy copy) {
     static_assert(THREADS % PER == 0, "a thread's item must not change between rounds");
@@ -1010,7 +1014,7 @@ template <int CB, int NT, int MTILES, bool GRID_SPLIT, int THREADS>
 __device__ __forceinline__ void ring_chunk(const u32* slot, int cn, int tiles, int left, int o_warp, int g, int t,
                                            float (&acc)[NT][MTILES][4]) {
     typedef Traits<CB> T;
-    typedef typename RingShape<CB, NT, MTILES, GRID_SPLIT, THREADS>::C C;
+    typedef typename RingShape<CB, NT, 16 * MTILES, GRID_SPLIT, THREADS>::C C;
     constexpr int KC = C::KC, OUT = C::OUT, ROWS = C::ROWS;
 #pragma unroll
     for (int u = 0; u < KC; ++u) {
@@ -1046,11 +1050,77 @@ __device__ __forceinline__ void ring_chunk(const u32* slot, int cn, int tiles, i
     }
 }
 
-template <int CB, int NT, int MTILES, bool GRID_SPLIT, int THREADS>
+// Blocks [0, cn) of a landed ring chunk with the operands swapped (M <= 8): A = the weights of 16 outputs (a pair of
+// the warp's 8-output tiles: lane (g, t) decodes word t of outputs g and g+8), B = the pass's 8 activation rows (row
+// g's words t and 4+t), so C holds outputs g, g+8 by rows 2t, 2t+1: every C value a row of the pass, where the
+// activation-as-A form leaves rows g+8 empty. acc[j][0][e] is output 8j+g (of the warp's first), row 2t+e; a pair
+// whose upper tile lies past N computes zero-filled outputs that mma_store_weights_a skips.
+template <int CB, int NT, bool GRID_SPLIT, int THREADS>
+__device__ __forceinline__ void ring_chunk_weights_a(const u32* slot, int cn, int tiles, int o_warp, int g, int t,
+                                                     float (&acc)[NT][1][4]) {
+    typedef Traits<CB> T;
+    typedef typename RingShape<CB, NT, 8, GRID_SPLIT, THREADS>::C C;
+    constexpr int KC = C::KC, OUT = C::OUT, ROWS = C::ROWS;
+    const u16* scales = reinterpret_cast<const u16*>(slot + C::scale);
+    const u16* mins = reinterpret_cast<const u16*>(slot + C::min);
+#pragma unroll
+    for (int u = 0; u < KC; ++u) {
+        if (u >= cn) break;  // block-uniform
+        const u32* q = slot + C::q + (u * ROWS + g) * ROW_WORDS;
+        const int b0 = (int)q[t], b1 = (int)q[4 + t];
+        const uint4 ds = *reinterpret_cast<const uint4*>(slot + C::ds + 2 * (u * ROWS + 2 * t));  // rows 2t, 2t+1
+        const RowBlock<CB> rows[2] = {RowBlock<CB>::of(__uint_as_float(ds.x), (int)ds.y),
+                                      RowBlock<CB>::of(__uint_as_float(ds.z), (int)ds.w)};
+        const int c_in[4] = {rows[0].bias, rows[1].bias, rows[0].bias, rows[1].bias};
+#pragma unroll
+        for (int j = 0; j < NT; j += 2) {
+            if (j >= tiles) break;  // warp-uniform
+            int a[4];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {  // A rows g (outputs of tile j) and g+8 (tile j+1)
+                const int o = o_warp + 8 * (j + h) + g;
+                const u32 hb = T::HIGH ? slot[C::high + u * OUT + o] : 0u;
+                decode_word<CB>(slot[C::pay + (u * OUT + o) * T::WORDS + t], 0u, hb, t, a[h], a[2 + h]);
+            }
+            int c[4];
+            mma_s8(a, b0, b1, c_in, c);
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int o = o_warp + 8 * (j + h) + g;
+                const float d_w[1] = {half_bits_to_float(scales[u * OUT + o])};
+                const float m_w = T::ASYM ? half_bits_to_float(mins[u * OUT + o]) : 0.0f;
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int biased[1] = {c[2 * h + e]};
+                    acc[j + h][0][e] = add_rn(acc[j + h][0][e], rows[e].term(biased, d_w, m_w));
+                }
+            }
+        }
+    }
+}
+
+// ring_chunk_weights_a's results for one pass of 8 rows from m0: output 8j+g of the warp, rows 2t, 2t+1.
+template <int NT, bool GRID_SPLIT>
+__device__ __forceinline__ void mma_store_weights_a(const float (&acc)[NT][1][4], float* __restrict__ out, int p, int m0,
+                                                    int M, int N, int n_first, int tiles, int g, int t) {
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int r = m0 + 2 * t + e;
+            if (j >= tiles || r >= M) continue;
+            const u64 at = (GRID_SPLIT ? ((u64)p * M + r) : (u64)r) * N + n_first + 8 * j + g;
+            out[at] = GRID_SPLIT ? acc[j][0][e] : add_rn(0.0f, acc[j][0][e]);
+        }
+}
+
+template <int CB, int NT, int MTILES, bool GRID_SPLIT, int THREADS, bool WEIGHTS_A>
 __device__ __forceinline__ void mma_ring(GEMV_PARAMS) {
     typedef Traits<CB> T;
-    typedef typename RingShape<CB, NT, MTILES, GRID_SPLIT, THREADS>::C C;
+    // Rows of M per pass: 8 with the weights as the A operand, else 16 per M tile.
+    typedef typename RingShape<CB, NT, WEIGHTS_A ? 8 : 16 * MTILES, GRID_SPLIT, THREADS>::C C;
     constexpr int KC = C::KC, OUT = C::OUT, ROWS = C::ROWS, ST = RING_STAGES;
+    static_assert(!WEIGHTS_A || (MTILES == 1 && NT % 2 == 0), "the weights as A: one pass of 8 rows, tiles in pairs");
     static_assert(T::WORDS == 4, "a ring payload row is one 16-byte piece");
     __shared__ __align__(16) u32 ring[ST][C::words];
 
@@ -1064,8 +1134,7 @@ __device__ __forceinline__ void mma_ring(GEMV_PARAMS) {
     const int chunks = (b_end - b_begin + KC - 1) / KC;
 
     const SharedBytes ring_at = shared_at(ring);
-    // The copies' columns: a thread's item of a part is the same in every chunk (for_pieces), so its clamped column
-    // and bound are made once; past N the copy zero-fills from the clamped (valid) address.
+    // Blocks, columns and rows out of range are clamped to valid addresses; their copies zero-fill (src-size 0).
     const int last_block = b_end - 1;
     for (int m0 = 0; m0 < M; m0 += ROWS) {
         const int left = M - m0;  // the pass's rows below M
@@ -1075,6 +1144,7 @@ __device__ __forceinline__ void mma_ring(GEMV_PARAMS) {
             const int b0 = b_begin + c * KC, cn = min(KC, b_end - b0);
             auto block = [&](int u) { return min(b0 + u, last_block); };
             auto column = [&](int o) { return min(n_cta + o, N - 1); };
+            auto row = [&](int r) { return min(m0 + r, M - 1); };
             for_pieces<KC, OUT, THREADS>(tid, [&](int u, int o, int e) {  // 16 bytes: a payload row
                 const bool ok = u < cn && n_cta + o < N;
                 cp_async16(slot + 4 * (C::pay + e * T::WORDS), payload + (u64)block_index(block(u), N, column(o)) * T::WORDS, ok);
@@ -1093,12 +1163,12 @@ __device__ __forceinline__ void mma_ring(GEMV_PARAMS) {
             for_pieces<KC, 2 * ROWS, THREADS>(tid, [&](int u, int rh, int e) {  // half an activation row
                 const int r = rh >> 1, half = rh & 1;
                 const bool ok = u < cn && r < left;
-                const int* src = qa + (u64)block_index(block(u), M, min(m0 + r, M - 1)) * 8 + 4 * half;
+                const int* src = qa + (u64)block_index(block(u), M, row(r)) * 8 + 4 * half;
                 cp_async16(slot + 4 * (C::q + (u * ROWS + r) * ROW_WORDS + 4 * half), src, ok);
             });
             for_pieces<KC, ROWS, THREADS>(tid, [&](int u, int r, int e) {  // a row's (d_a, sum_a)
                 const bool ok = u < cn && r < left;
-                const u32 at = block_index(block(u), M, min(m0 + r, M - 1));
+                const u32 at = block_index(block(u), M, row(r));
                 cp_async4(slot + 4 * (C::ds + 2 * e), da + at, ok);
                 cp_async4(slot + 4 * (C::ds + 2 * e + 1), sa + at, ok);
             });
@@ -1123,17 +1193,26 @@ __device__ __forceinline__ void mma_ring(GEMV_PARAMS) {
             // Whole chunks of whole tiles, with rows in every 8-row half of the pass (or, for one M tile, in its first
             // half: M <= 8) are nearly every chunk: there the trip counts are constants, and the chunk's blocks one
             // branch-free stretch. (A third copy for two M tiles spilled gemv_mma<Q4_0, 4, 2, false>.)
-            if (cn == KC && tiles == NT && left > ROWS_ALL - 8)
+            if constexpr (WEIGHTS_A) {
+                if (cn == KC && tiles == NT)
+                    ring_chunk_weights_a<CB, NT, GRID_SPLIT, THREADS>(slot, KC, NT, o_warp, g, t, acc);
+                else
+                    ring_chunk_weights_a<CB, NT, GRID_SPLIT, THREADS>(slot, cn, tiles, o_warp, g, t, acc);
+            } else if (cn == KC && tiles == NT && left > ROWS_ALL - 8) {
                 ring_chunk<CB, NT, MTILES, GRID_SPLIT, THREADS>(slot, KC, NT, ROWS_ALL, o_warp, g, t, acc);
-            else if (MTILES == 1 && cn == KC && tiles == NT && left > ROWS_ALL - 16)
+            } else if (MTILES == 1 && cn == KC && tiles == NT && left > ROWS_ALL - 16) {
                 ring_chunk<CB, NT, MTILES, GRID_SPLIT, THREADS>(slot, KC, NT, ROWS_ALL - 8, o_warp, g, t, acc);
-            else
+            } else {
                 ring_chunk<CB, NT, MTILES, GRID_SPLIT, THREADS>(slot, cn, tiles, left, o_warp, g, t, acc);
+            }
         }
         cp_async_wait<0>();
         __syncthreads();  // the next M pass refills the ring
-        mma_store<NT, MTILES, GRID_SPLIT>(acc, GRID_SPLIT ? ws + ticket_words(N) : out, p, m0, M, N, n_cta + o_warp, tiles,
-                                          g, t);
+        float* to = GRID_SPLIT ? ws + ticket_words(N) : out;
+        if constexpr (WEIGHTS_A)
+            mma_store_weights_a<NT, GRID_SPLIT>(acc, to, p, m0, M, N, n_cta + o_warp, tiles, g, t);
+        else
+            mma_store<NT, MTILES, GRID_SPLIT>(acc, to, p, m0, M, N, n_cta + o_warp, tiles, g, t);
     }
 }
 
@@ -1143,18 +1222,22 @@ __device__ __forceinline__ void mma_ring(GEMV_PARAMS) {
 // is the CTA (the candidate's threads): the ring's warps share its chunks, the register engine's share nothing.
 // Told only a CTA size above 128, ptxas aims at 64 registers and spills some 8-warp instantiations; naming the
 // CTAs per SM that the register cap still allows lets it use up to the cap. 128-thread CTAs keep ptxas's default
-// (0: no minimum), whose registers are the measured ones.
+// (0: no minimum), whose registers are the measured ones. WEIGHTS_A (ring codebooks, M <= 8, tiles in pairs): the
+// ring's operands swapped (ring_chunk_weights_a); its chunks hold 8 rows, so its ring is smaller, and told no
+// minimum ptxas aimed its 128-thread CTAs at the 5 per SM that the shared memory allows (96 registers) and spilled
+// the IQ4_NL kernel: they name the register cap's CTAs per SM too.
 constexpr int REGISTER_FILE = 65536;  // per SM: registry.REGISTER_FILE (tests/test_compile.py)
 constexpr int REGISTER_CAP = 128;     // per thread: --maxrregcount, program.MAX_REGISTERS (tests/test_compile.py)
-template <int THREADS> constexpr int min_ctas_per_sm() {
-    return THREADS > 128 ? REGISTER_FILE / (THREADS * REGISTER_CAP) : 0;
+template <int THREADS, bool WEIGHTS_A> constexpr int min_ctas_per_sm() {
+    return THREADS > 128 || WEIGHTS_A ? REGISTER_FILE / (THREADS * REGISTER_CAP) : 0;
 }
 
-template <int CB, int NT, int MTILES, bool GRID_SPLIT, int THREADS>
-__global__ void __launch_bounds__(THREADS, min_ctas_per_sm<THREADS>()) gemv_mma(GEMV_PARAMS) {
+template <int CB, int NT, int MTILES, bool GRID_SPLIT, int THREADS, bool WEIGHTS_A>
+__global__ void __launch_bounds__(THREADS, min_ctas_per_sm<THREADS, WEIGHTS_A>()) gemv_mma(GEMV_PARAMS) {
+    static_assert(!WEIGHTS_A || Traits<CB>::RING, "the weights as the A operand: ring codebooks only");
     if constexpr (Traits<CB>::RING)
-        mma_ring<CB, NT, MTILES, GRID_SPLIT, THREADS>(payload, high, scale, minv, sub, qa, da, sa, M, N, KB, width, out,
-                                                      ws);
+        mma_ring<CB, NT, MTILES, GRID_SPLIT, THREADS, WEIGHTS_A>(payload, high, scale, minv, sub, qa, da, sa, M, N, KB,
+                                                                 width, out, ws);
     else
         mma_registers<CB, NT, MTILES, GRID_SPLIT>(payload, high, scale, minv, sub, qa, da, sa, M, N, KB, width, out,
                                                   ws);

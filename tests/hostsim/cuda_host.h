@@ -100,11 +100,11 @@ inline void exchange(const unsigned (&mine)[n], unsigned (&all)[32][8]) {
     wait_at(w.meet);
 }
 
-// mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 with C = c0 in row g and c1 in row g+8 of each lane. Fragments
+// mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 with C = the lane's c (as D's layout). Fragments
 // of lane (g, t) = (lane / 4, lane % 4):
 // A row g: a0 (k 4t..4t+3), a2 (k 16+4t..); row g+8: a1, a3. B column g: b0 (k 4t..4t+3), b1 (k 16+4t..).
 // D: d0, d1 = row g, columns 2t, 2t+1; d2, d3 = row g+8.
-inline void mma_m16n8k32_s8(const int (&a)[4], int b0, int b1, int c0, int c1, int (&d)[4]) {
+inline void mma_m16n8k32_s8(const int (&a)[4], int b0, int b1, const int (&c)[4], int (&d)[4]) {
     const unsigned mine[6] = {(unsigned)a[0], (unsigned)a[1], (unsigned)a[2], (unsigned)a[3], (unsigned)b0,
                               (unsigned)b1};
     unsigned all[32][8];
@@ -120,7 +120,7 @@ inline void mma_m16n8k32_s8(const int (&a)[4], int b0, int b1, int c0, int c1, i
     };
     for (int e = 0; e < 4; ++e) {
         const int row = g + 8 * (e >> 1), col = 2 * t + (e & 1);
-        int s = row < 8 ? c0 : c1;  // C: c0 for rows g, c1 for rows g + 8
+        int s = c[e];
         for (int k = 0; k < 32; ++k) s += a_at(row, k) * b_at(k, col);
         d[e] = s;
     }
