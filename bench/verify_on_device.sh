@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# One device call with the committed table (bench/table_on_device.sh's, unpacked into the tree): install it, the
+# whole GPU suite, the kernel benchmark, `check --installed`. Under $OUT: gpu-tests.log, kernels.json, roofline.png,
+# bench.log, check.log (copy them to bench/results/ as *-h200.*; kernels_report.py renders kernels-h200.md).
+#   bash bench/verify_on_device.sh [CALL_SECONDS] [TEST_SECONDS]      (defaults 560 and 270)
+set -uo pipefail
+source bench/device_env.sh
+start=$(date +%s)
+step() { local limit=$1; shift; local t0=$(date +%s); timeout -s KILL "$limit" "$@"; local rc=$?
+         echo "== $* -> rc=$rc in $(( $(date +%s) - t0 )) s"; return $rc; }
+export GEMV_DISPATCH_TABLES=/tmp/tables
+step 15 gemv-dispatch install generated/nvidia-h200
+step "${2:-270}" python3 -m pytest -m gpu -n 8 -q -p no:cacheprovider --tb=short -W ignore tests > "$OUT/gpu-tests.log" 2>&1
+grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu-tests.log" | cut -c1-300 | tail -15
+# The benchmark gets what is left but the check's 70 s.
+left=$(( ${1:-560} - ($(date +%s) - start) - 75 ))
+step "$left" python3 bench/kernels.py --out "$OUT/kernels.json" --plot "$OUT/roofline.png" > "$OUT/bench.log" 2>&1; tail -30 "$OUT/bench.log"
+step 70 gemv-dispatch check --installed > "$OUT/check.log" 2>&1; tail -12 "$OUT/check.log"
