@@ -9,8 +9,6 @@ source bench/device_env.sh
 policy=${1:?policy.json trained on the committed corpus}
 out_dir=$(dirname "$policy")
 nvidia-smi --query-gpu=name,uuid,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.txt"
-step() { local limit=$1; shift; local start=$(date +%s); timeout -s KILL "$limit" "$@"; local rc=$?
-         echo "== $* -> rc=$rc in $(( $(date +%s) - start )) s"; return $rc; }
 # certify's time grows with the table's launches (version 12's 996 shapes: ~210 s, past the 170 s this step had).
 step "${CERTIFY_LIMIT:-300}" gemv-dispatch certify "$policy" -o "$OUT/cert.json" --corpus corpus/nvidia-h200 --device gpu \
     > "$OUT/certify.log" 2>&1; tail -14 "$OUT/certify.log"

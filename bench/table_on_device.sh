@@ -14,8 +14,6 @@ seconds=${1:-0}
 root=${2:-corpus}
 start=$(date +%s)
 if [ "$seconds" -gt 0 ]; then bash bench/sweep_on_device.sh all 1,4,16 graph "$seconds" "" "$root" | tail -4; fi
-step() { local limit=$1; shift; local t0=$(date +%s); timeout -s KILL "$limit" "$@"; local rc=$?
-         echo "== $* -> rc=$rc in $(( $(date +%s) - t0 )) s"; return $rc; }
 gpu=${GPU_SLUG:-nvidia-h200}
 folder="corpus/$gpu"  # trained and certified where the repository keeps it, as the CPU `tune` reads it
 if [ "$root" != corpus ]; then rm -rf "$folder" && cp -r "$root/$gpu" corpus/ || exit 1; fi

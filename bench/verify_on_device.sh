@@ -6,8 +6,6 @@
 set -uo pipefail
 source bench/device_env.sh
 start=$(date +%s)
-step() { local limit=$1; shift; local t0=$(date +%s); timeout -s KILL "$limit" "$@"; local rc=$?
-         echo "== $* -> rc=$rc in $(( $(date +%s) - t0 )) s"; return $rc; }
 export GEMV_DISPATCH_TABLES=/tmp/tables
 step 15 gemv-dispatch install generated/nvidia-h200
 step "${2:-270}" python3 -m pytest -m gpu -n 8 -q -p no:cacheprovider --tb=short -W ignore tests > "$OUT/gpu-tests.log" 2>&1
