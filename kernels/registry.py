@@ -77,9 +77,8 @@ def mma_row_tiles(m: int) -> int:
 
 def ring_engine(codebook: str) -> bool:
     """Whether the tensor-core engine streams this codebook through its shared-memory ring (gemv.cu's Traits::RING:
-    the legacy formats with 16-byte payloads), else holds it in registers."""
-    book = get(codebook)
-    return not book.superblock and book.payload_bytes == 16
+    the legacy formats), else holds it in registers."""
+    return not get(codebook).superblock
 
 
 def weights_as_a(codebook: str, m: int, mma_tiles: int) -> bool:

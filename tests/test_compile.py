@@ -68,11 +68,12 @@ def test_the_thread_limit_follows_the_register_cap():
     """No CTA of more threads than the register file holds at --maxrregcount: a launch of such a CTA fails."""
     assert registry.MAX_CTA_THREADS * program.MAX_REGISTERS == registry.REGISTER_FILE
     assert program.source().count("__launch_bounds__(") == 1
-    launch_bounds = re.findall(r"__launch_bounds__\((\w+), (\w+)<THREADS, WEIGHTS_A>\(\)\)", program.source())
+    launch_bounds = re.findall(r"__launch_bounds__\((\w+), (\w+)<CB, THREADS, WEIGHTS_A>\(\)\)", program.source())
     # The one bound: gemv_mma's CTA (the threads its candidate launches) and the CTAs per SM its registers allow.
     assert launch_bounds == [("THREADS", "min_ctas_per_sm")]
-    constants = dict(re.findall(r"constexpr int (REGISTER_FILE|REGISTER_CAP) = (\d+);", program.source()))
-    assert constants == {"REGISTER_FILE": str(registry.REGISTER_FILE), "REGISTER_CAP": str(program.MAX_REGISTERS)}
+    constants = dict(re.findall(r"constexpr int (REGISTER_FILE|REGISTER_CAP|STATIC_SHARED) = (\d+);", program.source()))
+    assert constants == {"REGISTER_FILE": str(registry.REGISTER_FILE), "REGISTER_CAP": str(program.MAX_REGISTERS),
+                         "STATIC_SHARED": str(registry.SHARED_MEMORY_LIMIT)}
     for c in registry.CANDIDATES:
         if c.mma_tiles:
             assert c.kernel_name("Q4_0", 16).endswith(f", {c.threads}, false>"), c.id

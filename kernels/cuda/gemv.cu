@@ -53,8 +53,8 @@ struct Traits {
     // Columns a dp4a thread decodes at once: a paired format's group holds 2-4 payload rows (and Q5_K the
     // super-block's 8 qh words) per column, so those walk their CPT columns one (Q6_K) or two at a time.
     static constexpr int COLUMNS = CB == Q6_K ? 1 : (GROUP > 1 ? 2 : 16);
-    // The tensor-core engine streams the operands through a shared-memory ring (mma_ring), else registers.
-    static constexpr bool RING = !SUPER && CB != Q8_0;
+    // The tensor-core engine streams the legacy formats through a shared-memory ring (mma_ring), else registers.
+    static constexpr bool RING = !SUPER;
 };
 
 #ifndef GEMV_HOSTSIM
@@ -704,12 +704,11 @@ inline void mma_s8(const int (&a)[4], int b0, int b1, const int (&c_in)[4], int 
 }
 #endif
 
-// A lane's weight words for one (group, 8-output tile): word t of its B column's payload rows (Q8_0: and word
-// 4+t), the fp16 pairs of scales (and mins) of its two C columns and its B column's high bits (legacy Q5; Q6_K:
-// the qh words of elements 4t.. and 16+4t.. of the quad).
+// A lane's weight words for one (group, 8-output tile) of a super-block format: word t of its B column's payload
+// rows and (Q6_K) the qh words of elements 4t.. and 16+4t.. of the quad.
 template <int CB>
 struct TileWords {
-    u32 w[Traits<CB>::GROUP], w_hi, scales, mins, high[2];
+    u32 w[Traits<CB>::GROUP], high[2];
 };
 
 // A lane's super-block fields for one tile: fp16 pairs of d (and dmin) of its two C columns, their sub-block
@@ -749,8 +748,8 @@ __device__ __forceinline__ TileSuper load_tile_super(const Planes& P, int b0, in
 // row m0 of M (8-row halves past M are skipped: warp-uniform). The ring passes m0 = 0 and M = the rows left, a
 // compile-time constant in its whole chunks, so a block's instructions carry no branch and interleave with the next
 // block's. BIAS_C: the mma starts from the rows' biases (no add per term); the register engine adds them after:
-// holding them across its mma took its Q8_0 kernels from 64 to 71 registers, and a build at 71 ran up to 1.3x
-// slower (bench/NOTES.md, version 16).
+// holding them across its mma took its Q8_0 kernels (then on that engine) from 64 to 71 registers, and a build at
+// 71 ran up to 1.3x slower (bench/NOTES.md, version 16).
 template <int CB, int MTILES, bool BIAS_C>
 __device__ __forceinline__ void mma_tile(const int (&a)[MTILES][4], const RowBlock<CB> (&rows)[MTILES][2], int lo,
                                          int hi, const float (&d_w)[2][Traits<CB>::HALVES], const float (&m_w)[2],
@@ -814,16 +813,17 @@ __device__ __forceinline__ void zero(float (&acc)[NT][MTILES][4]) {
             for (int e = 0; e < 4; ++e) acc[j][i][e] = 0.0f;
 }
 
-// Register engine: a warp owns 8*NT consecutive outputs (N % 8 == 0, so a tile is wholly in or out) and M tiles
-// of 16*MTILES rows. Weights of DEPTH groups are loaded before any is used: 32 registers of loads in flight per
-// lane keep HBM busy. No barriers, so a warp past N returns (to the fold of gemv_mma).
+// Register engine (the super-block formats): a warp owns 8*NT consecutive outputs (N % 8 == 0, so a tile is wholly
+// in or out) and M tiles of 16*MTILES rows. Weights of DEPTH groups are loaded before any is used: 32 registers of
+// loads in flight per lane keep HBM busy. No barriers, so a warp past N returns (to the fold of gemv_mma).
 template <int CB, int NT, int MTILES, bool GRID_SPLIT>
 __device__ __forceinline__ void mma_registers(GEMV_PARAMS) {
     typedef Traits<CB> T;
+    static_assert(T::SUPER, "the legacy formats take the ring");
     constexpr int G = T::GROUP, H = T::HALVES;
-    constexpr int LANE_WORDS = G + (CB == Q8_0) + (T::SUPER ? 0 : 1 + T::ASYM) + T::HIGH + 2 * (CB == Q6_K);
+    constexpr int LANE_WORDS = G + 2 * (CB == Q6_K);
     // Super-block fields held per tile (TileSuper): d, dmin, Q5_K's qh words and two columns' sub-block scales.
-    constexpr int SUPER_WORDS = T::SUPER ? 1 + T::ASYM + 2 * (CB == Q5_K) + 2 * T::SUB_WORDS : 0;
+    constexpr int SUPER_WORDS = 1 + T::ASYM + 2 * (CB == Q5_K) + 2 * T::SUB_WORDS;
     constexpr int BUDGET = 32 - NT * SUPER_WORDS;  // registers of loads in flight per lane
     constexpr int DEPTH = BUDGET / (NT * LANE_WORDS) > 1 ? BUDGET / (NT * LANE_WORDS) : 1;
     const Planes P{payload, high, scale, minv, sub};
@@ -858,15 +858,9 @@ __device__ __forceinline__ void mma_registers(GEMV_PARAMS) {
                         const u32 col = block_index(b0, N, n_warp + 8 * j);  // first output of the tile, first row
 #pragma unroll
                         for (int i = 0; i < G; ++i) x.w[i] = __ldg(payload_t + (u64)(col + i * N + g) * T::WORDS);
-                        if (CB == Q8_0) x.w_hi = __ldg(payload_t + (u64)(col + g) * T::WORDS + 4);
-                        if (T::HIGH) x.high[0] = __ldg(high + (u64)(col + g));
                         if (CB == Q6_K) {  // qh words of elements 4t.. (row t/2 of the quad) and 16+4t.. (row 2+t/2)
                             x.high[0] = __ldg(high + (u64)(col + (t >> 1) * N + g) * 2 + (t & 1));
                             x.high[1] = __ldg(high + (u64)(col + (2 + (t >> 1)) * N + g) * 2 + (t & 1));
-                        }
-                        if (!T::SUPER) {  // N even: the pairs are aligned
-                            x.scales = __ldg(reinterpret_cast<const u32*>(scale + (u64)(col + 2 * t)));
-                            if (T::ASYM) x.mins = __ldg(reinterpret_cast<const u32*>(minv + (u64)(col + 2 * t)));
                         }
                     }
                 }
@@ -874,7 +868,7 @@ __device__ __forceinline__ void mma_registers(GEMV_PARAMS) {
             for (int u = 0; u < DEPTH; ++u) {
                 const int grp = gr0 + u;
                 if (grp >= g_end) break;  // warp-uniform
-                if (T::SUPER && (grp == g_begin || (grp * G) % T::SPAN == 0))
+                if (grp == g_begin || (grp * G) % T::SPAN == 0)
 #pragma unroll
                     for (int j = 0; j < NT; ++j)
                         if (j < tiles) sup[j] = load_tile_super<CB>(P, grp * G, n_warp + 8 * j, g, t, N);
@@ -905,8 +899,8 @@ __device__ __forceinline__ void mma_registers(GEMV_PARAMS) {
                         const TileWords<CB>& x = tw[u][j];
                         int lo, hi;
                         float d_w[2][H], m_w[2] = {0.0f, 0.0f};
-                        if constexpr (G == 1) {
-                            decode_word<CB>(x.w[0], x.w_hi, x.high[0], t, lo, hi);
+                        if constexpr (G == 1) {  // IQ4_XS
+                            decode_word<CB>(x.w[0], 0u, 0u, t, lo, hi);
                         } else if constexpr (CB == Q6_K) {
                             const int r = 2 * (ub & 1);
                             decode_paired<CB>(x.w[r], x.w[r + 1], q6k_high(x.high[0], ub), q6k_high(x.high[1], ub),
@@ -917,16 +911,10 @@ __device__ __forceinline__ void mma_registers(GEMV_PARAMS) {
                             decode_paired<CB>(x.w[0], x.w[1], h0, h1, ub, lo, hi);
                         }
 #pragma unroll
-                        for (int e = 0; e < 2; ++e) {
-                            if (T::SUPER) {
-                                derive<CB>(half_bits_to_float((u16)(sup[j].d >> (16 * e))),
-                                           half_bits_to_float((u16)(sup[j].dmin >> (16 * e))), sup[j].sub[e], b & 7,
-                                           d_w[e], m_w[e]);
-                            } else {
-                                d_w[e][0] = half_bits_to_float((u16)(x.scales >> (16 * e)));
-                                m_w[e] = half_bits_to_float((u16)(x.mins >> (16 * e)));
-                            }
-                        }
+                        for (int e = 0; e < 2; ++e)
+                            derive<CB>(half_bits_to_float((u16)(sup[j].d >> (16 * e))),
+                                       half_bits_to_float((u16)(sup[j].dmin >> (16 * e))), sup[j].sub[e], b & 7, d_w[e],
+                                       m_w[e]);
                         mma_tile<CB, MTILES, false>(a, rows, lo, hi, d_w, m_w, m0, M, acc[j]);
                     }
                 }
@@ -941,7 +929,7 @@ __device__ __forceinline__ void mma_registers(GEMV_PARAMS) {
 // warps, 8*NT outputs each; a chunk holds KC blocks of the CTA's payload, scales (mins, high bits) and the pass's
 // activation rows, padded to 48 bytes so the fragment loads are conflict-free, and their (d_a, sum_a) pairs. Rows
 // past M and outputs past N are zero-filled by the copy itself (src-size 0). One barrier per chunk; every loop has a compile-time trip
-// count. Legacy formats with 16-byte payloads only (Traits::RING).
+// count. Legacy formats only (Traits::RING); Q8_0's 32-byte payload rows are two 16-byte pieces (ring_weights).
 // The copies take the ring's address in the shared state space (bytes), made once per CTA: converting a generic
 // pointer per copy cost the chunk's issue ~2 instructions a piece. The host simulator addresses bytes directly.
 #ifndef GEMV_HOSTSIM
@@ -968,9 +956,12 @@ inline void cp_async_wait() {}
 
 constexpr int RING_STAGES = 3;
 constexpr int ROW_WORDS = 12;  // a 32-byte row + 16 bytes of padding: rows g = 0..7 land on distinct banks
-// Static shared memory per CTA: kpar's CTAs are many and short (S per column range), so its ring is 32 KB (7 CTAs
-// per SM instead of 4); wide keeps 48 KB, whose deeper chunks it measured faster (bench/NOTES.md, version 12).
-constexpr int ring_shared(bool grid_split) { return (grid_split ? 32 : 48) * 1024; }
+// Shared memory a CTA may take without opting in: registry.SHARED_MEMORY_LIMIT (tests/test_compile.py).
+constexpr int STATIC_SHARED = 49152;
+// The ring's shared memory per CTA: kpar's CTAs are many and short (S per column range), so its ring is 32 KB (7 CTAs
+// per SM instead of 4); wide keeps all the static 48 KB, whose deeper chunks it measured faster (bench/NOTES.md,
+// version 12).
+constexpr int ring_shared(bool grid_split) { return grid_split ? 32 * 1024 : STATIC_SHARED; }
 
 // One chunk's layout in shared memory, in 32-bit words (every part a multiple of 4 words: 16-byte aligned).
 template <int CB, int NT, int ROWS_, int KC_, int THREADS>
@@ -984,14 +975,32 @@ struct Chunk {
     static constexpr int ds = q + Q, words = ds + DS;
 };
 
-// Blocks per chunk: 8, else 4, else 2, whichever ring fits the family's shared memory.
+// Blocks per chunk: 8, else 4, else 2, whichever ring fits the family's shared memory. Only Q8_0's 2-block chunks of
+// 128 outputs and 32 rows exceed kpar's 32 KB (36 KB); every ring fits the 48 KB of static shared memory.
 template <int CB, int NT, int ROWS, bool GRID_SPLIT, int THREADS>
 struct RingShape {
     static constexpr int LIMIT = ring_shared(GRID_SPLIT);
     static constexpr int KC = RING_STAGES * Chunk<CB, NT, ROWS, 8, THREADS>::words * 4 <= LIMIT ? 8
                             : RING_STAGES * Chunk<CB, NT, ROWS, 4, THREADS>::words * 4 <= LIMIT ? 4 : 2;
     typedef Chunk<CB, NT, ROWS, KC, THREADS> C;
+    static_assert(RING_STAGES * C::words * 4 <= STATIC_SHARED, "a ring must fit the static shared memory");
 };
+
+// Q8_0's payload rows are two 16-byte pieces; outputs with bit 2 set hold them swapped, so word t of the 8 outputs
+// of a tile (lanes g, t) lies on 32 distinct banks. The piece of (output o, half h) within its row:
+template <int CB>
+__device__ __forceinline__ int ring_piece(int o, int h) {
+    return Traits<CB>::WORDS == 8 ? h ^ ((o >> 2) & 1) : h;
+}
+
+// Elements 4t.. (lo) and 16+4t.. (hi) of output o's row of block u in a landed chunk, as int8 words.
+template <int CB, typename C>
+__device__ __forceinline__ void ring_weights(const u32* slot, int u, int o, int t, int& lo, int& hi) {
+    typedef Traits<CB> T;
+    const u32* w = slot + C::pay + (u * C::OUT + o) * T::WORDS + t;
+    const u32 high = T::HIGH ? slot[C::high + u * C::OUT + o] : 0u;
+    decode_word<CB>(w[4 * ring_piece<CB>(o, 0)], T::WORDS == 8 ? w[4 * ring_piece<CB>(o, 1)] : 0u, high, t, lo, hi);
+}
 
 // One part of a ring chunk: KC blocks of PER pieces each, piece e = u * PER + item. Thread `tid` copies pieces tid,
 // tid + THREADS, ...: PER divides THREADS, so its item is the same in every round (and every chunk: what depends on
@@ -1035,14 +1044,11 @@ __device__ __forceinline__ void ring_chunk(const u32* slot, int cn, int tiles, i
 #pragma unroll
         for (int j = 0; j < NT; ++j) {
             if (j >= tiles) break;  // warp-uniform
-            const int o = o_warp + 8 * j + g;
-            const u32* w = slot + C::pay + (u * OUT + o) * T::WORDS;
-            const u32 hb = T::HIGH ? slot[C::high + u * OUT + o] : 0u;
             const int pair = (u * OUT + o_warp + 8 * j) / 2 + t;  // scales of outputs 2t, 2t+1 of the tile
             const u32 scales = slot[C::scale + pair];
             const u32 mins = T::ASYM ? slot[C::min + pair] : 0u;
             int lo, hi;
-            decode_word<CB>(w[t], 0u, hb, t, lo, hi);
+            ring_weights<CB, C>(slot, u, o_warp + 8 * j + g, t, lo, hi);
             const float d_w[2][1] = {{half_bits_to_float(scales & 0xFFFFu)}, {half_bits_to_float(scales >> 16)}};
             const float m_w[2] = {half_bits_to_float(mins & 0xFFFFu), half_bits_to_float(mins >> 16)};
             mma_tile<CB, MTILES, true>(a, rows, lo, hi, d_w, m_w, 0, left, acc[j]);
@@ -1077,11 +1083,8 @@ __device__ __forceinline__ void ring_chunk_weights_a(const u32* slot, int cn, in
             if (j >= tiles) break;  // warp-uniform
             int a[4];
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {  // A rows g (outputs of tile j) and g+8 (tile j+1)
-                const int o = o_warp + 8 * (j + h) + g;
-                const u32 hb = T::HIGH ? slot[C::high + u * OUT + o] : 0u;
-                decode_word<CB>(slot[C::pay + (u * OUT + o) * T::WORDS + t], 0u, hb, t, a[h], a[2 + h]);
-            }
+            for (int h = 0; h < 2; ++h)  // A rows g (outputs of tile j) and g+8 (tile j+1)
+                ring_weights<CB, C>(slot, u, o_warp + 8 * (j + h) + g, t, a[h], a[2 + h]);
             int c[4];
             mma_s8(a, b0, b1, c_in, c);
 #pragma unroll
@@ -1121,7 +1124,6 @@ __device__ __forceinline__ void mma_ring(GEMV_PARAMS) {
     typedef typename RingShape<CB, NT, WEIGHTS_A ? 8 : 16 * MTILES, GRID_SPLIT, THREADS>::C C;
     constexpr int KC = C::KC, OUT = C::OUT, ROWS = C::ROWS, ST = RING_STAGES;
     static_assert(!WEIGHTS_A || (MTILES == 1 && NT % 2 == 0), "the weights as A: one pass of 8 rows, tiles in pairs");
-    static_assert(T::WORDS == 4, "a ring payload row is one 16-byte piece");
     __shared__ __align__(16) u32 ring[ST][C::words];
 
     const int tid = threadIdx.x, lane = tid & 31, g = lane >> 2, t = lane & 3;
@@ -1145,9 +1147,18 @@ __device__ __forceinline__ void mma_ring(GEMV_PARAMS) {
             auto block = [&](int u) { return min(b0 + u, last_block); };
             auto column = [&](int o) { return min(n_cta + o, N - 1); };
             auto row = [&](int r) { return min(m0 + r, M - 1); };
-            for_pieces<KC, OUT, THREADS>(tid, [&](int u, int o, int e) {  // 16 bytes: a payload row
+            // 16 bytes of a payload row; a thread's item is one piece where the pieces of a block fit the CTA
+            // (consecutive threads on consecutive bytes), else one row.
+            constexpr int PIECES = T::WORDS / 4, PER_ITEM = THREADS % (OUT * PIECES) == 0 ? 1 : PIECES;
+            for_pieces<KC, OUT * PIECES / PER_ITEM, THREADS>(tid, [&](int u, int item, int e) {
+                const int o = item * PER_ITEM / PIECES;
                 const bool ok = u < cn && n_cta + o < N;
-                cp_async16(slot + 4 * (C::pay + e * T::WORDS), payload + (u64)block_index(block(u), N, column(o)) * T::WORDS, ok);
+                const u32* row = payload + (u64)block_index(block(u), N, column(o)) * T::WORDS;
+#pragma unroll
+                for (int i = 0; i < PER_ITEM; ++i) {
+                    const int h = (item * PER_ITEM + i) % PIECES;
+                    cp_async16(slot + 4 * (C::pay + (u * OUT + o) * T::WORDS + 4 * ring_piece<CB>(o, h)), row + 4 * h, ok);
+                }
             });
             for_pieces<KC, OUT / 8, THREADS>(tid, [&](int u, int o8, int e) {  // 8 fp16 scales (mins)
                 const bool ok = u < cn && n_cta + 8 * o8 < N;
@@ -1216,8 +1227,7 @@ __device__ __forceinline__ void mma_ring(GEMV_PARAMS) {
     }
 }
 
-// The tensor-core candidates (wide S = 1, kpar GRID_SPLIT): the ring engine for the legacy 16-byte-payload
-// formats, registers for Q8_0 (a ring chunk holds too few of its 32-byte blocks: bench/NOTES.md version 9) and
+// The tensor-core candidates (wide S = 1, kpar GRID_SPLIT): the ring engine for the legacy formats, registers for
 // the super-block formats. Both engines give the contract's bytes; the candidates' geometry is the same. THREADS
 // is the CTA (the candidate's threads): the ring's warps share its chunks, the register engine's share nothing.
 // Told only a CTA size above 128, ptxas aims at 64 registers and spills some 8-warp instantiations; naming the
@@ -1225,15 +1235,16 @@ __device__ __forceinline__ void mma_ring(GEMV_PARAMS) {
 // (0: no minimum), whose registers are the measured ones. WEIGHTS_A (ring codebooks, M <= 8, tiles in pairs): the
 // ring's operands swapped (ring_chunk_weights_a); its chunks hold 8 rows, so its ring is smaller, and told no
 // minimum ptxas aimed its 128-thread CTAs at the 5 per SM that the shared memory allows (96 registers) and spilled
-// the IQ4_NL kernel: they name the register cap's CTAs per SM too.
+// the IQ4_NL kernel: they name the register cap's CTAs per SM too, as do Q8_0's, whose rings of 2-4 block chunks are
+// as small (told no minimum, ptxas spilled gemv_mma<Q8_0, 4, 1, false, 128, false> at 96 registers).
 constexpr int REGISTER_FILE = 65536;  // per SM: registry.REGISTER_FILE (tests/test_compile.py)
 constexpr int REGISTER_CAP = 128;     // per thread: --maxrregcount, program.MAX_REGISTERS (tests/test_compile.py)
-template <int THREADS, bool WEIGHTS_A> constexpr int min_ctas_per_sm() {
-    return THREADS > 128 || WEIGHTS_A ? REGISTER_FILE / (THREADS * REGISTER_CAP) : 0;
+template <int CB, int THREADS, bool WEIGHTS_A> constexpr int min_ctas_per_sm() {
+    return THREADS > 128 || WEIGHTS_A || CB == Q8_0 ? REGISTER_FILE / (THREADS * REGISTER_CAP) : 0;
 }
 
 template <int CB, int NT, int MTILES, bool GRID_SPLIT, int THREADS, bool WEIGHTS_A>
-__global__ void __launch_bounds__(THREADS, min_ctas_per_sm<THREADS, WEIGHTS_A>()) gemv_mma(GEMV_PARAMS) {
+__global__ void __launch_bounds__(THREADS, min_ctas_per_sm<CB, THREADS, WEIGHTS_A>()) gemv_mma(GEMV_PARAMS) {
     static_assert(!WEIGHTS_A || Traits<CB>::RING, "the weights as the A operand: ring codebooks only");
     if constexpr (Traits<CB>::RING)
         mma_ring<CB, NT, MTILES, GRID_SPLIT, THREADS, WEIGHTS_A>(payload, high, scale, minv, sub, qa, da, sa, M, N, KB,
