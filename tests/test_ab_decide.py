@@ -1,0 +1,51 @@
+"""bench/ab_decide.py, the verdict a device call takes between an A/B of kernel sources and the sweep, on the
+committed A/B runs: version 35 against 34 is kept, version 33 against 32 is not (one cell 6.6 % slower)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_bench_report import REPO, bench_script
+
+RESULTS = REPO / "bench" / "results"
+
+
+@pytest.fixture(scope="module")
+def ab():
+    return bench_script("ab_decide")
+
+
+def runs(*names: str) -> list[dict]:
+    return [json.loads((RESULTS / f"ab-{name}-h200.json").read_text()) for name in names]
+
+
+def test_a_faster_source_is_kept(ab, capsys):
+    verdict = ab.decide(runs("v35-direct", "v35-kpar", "v35-wide"), 1.03)
+    assert verdict.keep_tree and verdict.geomean < 0.98 and len(verdict.ratios) == 18  # 2 codebooks x 9 anchors
+    # The best over the families: on IQ4_NL 151936x4096 the baseline's is a kpar launch (106.1 us), the tree's a
+    # direct one (100.1 us), where direct alone gives 0.936.
+    assert verdict.ratios[("IQ4_NL", 1, 151936, 4096)] == pytest.approx(100.1 / 106.1, abs=2e-3)
+    assert ab.main([str(RESULTS / f"ab-v35-{f}-h200.json") for f in ("direct", "kpar", "wide")]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].endswith("keep the tree's source")
+
+
+def test_one_slow_cell_keeps_the_baseline(ab):
+    verdict = ab.decide(runs("v33-direct"), 1.03)
+    assert not verdict.keep_tree and verdict.worst == pytest.approx(1.066, abs=1e-3)
+    assert ab.decide(runs("v33-direct"), 1.07).keep_tree is (verdict.geomean < 1.0)
+    assert ab.main([str(RESULTS / "ab-v33-direct-h200.json")]) == 1
+
+
+def test_a_launch_the_baseline_lacks_counts_for_the_tree_only(ab):
+    cell = {"codebook": "Q4_0", "m": 8, "n": 4096, "k": 4096}
+    run = {"sources": ["base34.cu"], "rows": [{**cell, "candidate": "a", "us": {"base34": 10.0, "tree": 10.0}},
+                                              {**cell, "candidate": "a.p4", "us": {"tree": 8.0}}]}
+    assert ab.decide([run], 1.03).ratios == {("Q4_0", 8, 4096, 4096): 0.8}
+
+
+def test_runs_of_different_baselines_are_refused(ab, capsys):
+    with pytest.raises(ValueError, match="different baselines"):
+        ab.decide(runs("v33-direct", "v35-direct"), 1.03)
+    assert ab.main([str(RESULTS / "ab-v33-direct-h200.json"), str(RESULTS / "ab-v35-kpar-h200.json")]) == 2
+    assert capsys.readouterr().err.startswith("error: the runs name different baselines")
