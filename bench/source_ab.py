@@ -7,9 +7,7 @@ Each source is a file (not a revision: the device copy has no git history), the 
 tree's source ("tree") is always timed too. All are built with the same options and name expressions, so they
 must keep the parameter list and the workspace layout; a source whose gemv_mma takes fewer template arguments than
 the tree's gets each name cut to its own (an argument added since, e.g. version 32's WEIGHTS_A, is timed against the
-older source's one path), but a launch in warp phases (version 36's PHASES > 1) has no such path: a source without
-them does not time it, and the cell's best of that version is over the candidates it has. Every version of a
-candidate enters one
+older source's one path). Every version of a candidate enters one
 time_candidates call (graph replay, cold L2 by rotation, interleaved rounds, medians, no racing): each ratio
 comes from one run. First every version's instantiations of the family are compiled with nvcc (sm_90, the
 contract's options): a version that spills is refused (the certificate's spill_free check would refuse its table
@@ -50,18 +48,11 @@ def mma_arity(text: str) -> int:
     return found.group(1).count(",") + 1
 
 
-PHASES_ARGUMENT = 7  # gemv_mma's PHASES, the 7th template argument since version 36
-
-
-def spelled(name: str, arity: int) -> str | None:
-    """A registry kernel name as a source whose gemv_mma takes `arity` template arguments instantiates it, or None
-    where that source has no such launch (warps in phases, before the source had them)."""
+def spelled(name: str, arity: int) -> str:
+    """A registry kernel name as a source whose gemv_mma takes `arity` template arguments instantiates it."""
     if not name.startswith("gemv_mma<"):
         return name
-    args = name[len("gemv_mma<"):-1].split(", ")
-    if arity < PHASES_ARGUMENT <= len(args) and args[PHASES_ARGUMENT - 1] != "1":
-        return None
-    return "gemv_mma<" + ", ".join(args[:arity]) + ">"
+    return "gemv_mma<" + ", ".join(name[len("gemv_mma<"):-1].split(", ")[:arity]) + ">"
 
 
 def time_cell(modules: dict[str, tuple[Any, int]], codebook: str, m: int, n: int, k: int, family: str, stream: Any,
@@ -78,15 +69,12 @@ def time_cell(modules: dict[str, tuple[Any, int]], codebook: str, m: int, n: int
     launches, results = {}, {}
     for c in candidates:
         for tag, (module, arity) in modules.items():
-            name = spelled(c.kernel_name(codebook, m), arity)
-            if name is None:
-                continue  # this version has no such launch
             with stream:
                 out = cp.full((m, n), np.nan, cp.float32)
                 ws = launch.new_workspace(need, n) if need else None
             plans = [launch.plan(c, w, m) for w in copies]
             if module is not None:
-                kernel = module.get_function(name)
+                kernel = module.get_function(spelled(c.kernel_name(codebook, m), arity))
                 plans = [replace(p, kernel=kernel) for p in plans]
             launches[f"{tag}:{c.id}"] = lambda i, plans=plans, out=out, ws=ws: plans[i].enqueue(store, out, ws, stream)
             launches[f"{tag}:{c.id}"](0)
@@ -100,8 +88,7 @@ def time_cell(modules: dict[str, tuple[Any, int]], codebook: str, m: int, n: int
             raise SystemExit(f"{where}: the launch left its tickets nonzero")
     stats = time_candidates(launches, len(copies), CONFIG, CupyBackend(stream), seed=cell_seed(codebook, m, n, k))
     return [{"codebook": codebook, "m": m, "n": n, "k": k, "candidate": c.id,
-             "us": {tag: stats[f"{tag}:{c.id}"].median_us for tag in modules if f"{tag}:{c.id}" in stats}}
-            for c in candidates]
+             "us": {tag: stats[f"{tag}:{c.id}"].median_us for tag in modules}} for c in candidates]
 
 
 def registers(texts: dict[str, str], arities: dict[str, int], family: str, codebooks: list[str],
@@ -110,14 +97,14 @@ def registers(texts: dict[str, str], arities: dict[str, int], family: str, codeb
     names = sorted({c.kernel_name(cb, m) for c in CANDIDATES if c.family == family for cb in codebooks for m in ms})
     found = {}
     for tag, text in texts.items():
-        built = ptxas.compile_parallel(sorted({s for n in names if (s := spelled(n, arities[tag]))}), text=text)
+        built = ptxas.compile_parallel(sorted({spelled(n, arities[tag]) for n in names}), text=text)
         if spills := [r.describe() for r in built if not r.spill_free]:
             raise SystemExit(f"{tag} spills: {'; '.join(spills)}")
         found[tag] = {r.name: r.registers for r in built if r.name not in program.HELPER_KERNELS}
     width = max(map(len, names))
     print(f"{'registers':{width}s} " + " ".join(f"{t:>8s}" for t in found))
     for name in names:
-        cells = (found[t].get(spelled(name, arities[t]) or "", 0) for t in found)
+        cells = (found[t].get(spelled(name, arities[t]), 0) for t in found)
         print(f"{name:{width}s} " + " ".join(f"{r:8d}" for r in cells))
     return found
 
@@ -130,7 +117,7 @@ def header(tags: list[str]) -> str:
 def cell_line(rows: list[dict[str, Any]], tags: list[str]) -> str:
     """One cell's rows: the best candidate of each version, and its time over the baseline's best."""
     r0, base = rows[0], tags[0]
-    bests = {t: min((r for r in rows if t in r["us"]), key=lambda r, t=t: r["us"][t]) for t in tags}
+    bests = {t: min(rows, key=lambda r, t=t: r["us"][t]) for t in tags}
     return (f"{r0['codebook']} M={r0['m']:<2d} {r0['n']}x{r0['k']:<11d} "
             + " ".join(f"{bests[t]['candidate']:>18s} {bests[t]['us'][t]:7.1f}" for t in tags) + "   "
             + " ".join(f"{bests[t]['us'][t] / bests[base]['us'][base]:.3f}" for t in tags[1:]))
@@ -158,7 +145,7 @@ def main() -> None:
     for codebook in codebooks:
         names = list(kernel_names(codebook))
         modules = {tag: (cp.RawModule(code=text, options=program.CONTRACT_OPTIONS,
-                                      name_expressions=sorted({s for n in names if (s := spelled(n, arities[tag]))})),
+                                      name_expressions=sorted({spelled(n, arities[tag]) for n in names})),
                          arities[tag])
                    for tag, text in texts.items()} | {TREE: (None, arities[TREE])}
         for m in ms:
