@@ -8,7 +8,7 @@ Per cell (codebook, M, N, K) over every file given: the best candidate of each v
 family each, so the best over the files is the best a table could pick among those families), the tree's time over
 the baseline's. The baseline is the first source each run names (`sources[0]`, by file stem, as source_ab labels
 it); every file must name the same one. Prints one line per cell and the verdict; exit 0 to keep the tree's source
-(geomean below 1 and no cell slower than --worst), 1 to keep the baseline's, 2 on unusable input.
+(geomean below --geomean, default 1, and no cell slower than --worst), 1 to keep the baseline's, 2 on unusable input.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def baseline_label(runs: list[dict]) -> str:
     return labels.pop()
 
 
-def decide(runs: list[dict], worst_allowed: float) -> Verdict:
+def decide(runs: list[dict], worst_allowed: float, geomean_below: float = 1.0) -> Verdict:
     """The verdict over source_ab JSON runs (their `rows`: codebook, m, n, k, candidate, us by version label)."""
     base = baseline_label(runs)
     best: dict[tuple[str, int, int, int], dict[str, float]] = {}
@@ -53,16 +53,18 @@ def decide(runs: list[dict], worst_allowed: float) -> Verdict:
         raise ValueError("no cell has times of both versions")
     geomean = math.exp(sum(map(math.log, ratios.values())) / len(ratios))
     worst = max(ratios.values())
-    return Verdict(ratios, geomean, worst, geomean < 1.0 and worst <= worst_allowed)
+    return Verdict(ratios, geomean, worst, geomean < geomean_below and worst <= worst_allowed)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", type=Path, nargs="+", help="bench/source_ab.py --out files")
     parser.add_argument("--worst", type=float, default=1.03, help="the slowest cell the tree may have (tree/base)")
+    parser.add_argument("--geomean", type=float, default=1.0,
+                        help="the geomean (tree/base) to beat; below 1 when the tree's new launches cost sweep time")
     args = parser.parse_args(argv)
     try:
-        verdict = decide([json.loads(path.read_text()) for path in args.runs], args.worst)
+        verdict = decide([json.loads(path.read_text()) for path in args.runs], args.worst, args.geomean)
     except (OSError, ValueError, KeyError, IndexError) as problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2

@@ -30,6 +30,13 @@ def test_a_faster_source_is_kept(ab, capsys):
     assert capsys.readouterr().out.splitlines()[-1].endswith("keep the tree's source")
 
 
+def test_a_gain_below_the_asked_geomean_keeps_the_baseline(ab):
+    files = [str(RESULTS / f"ab-v35-{f}-h200.json") for f in ("direct", "kpar", "wide")]
+    geomean = ab.decide(runs("v35-direct", "v35-kpar", "v35-wide"), 1.03).geomean
+    assert ab.main([*files, "--geomean", f"{geomean + 0.002:.3f}"]) == 0
+    assert ab.main([*files, "--geomean", f"{geomean - 0.002:.3f}"]) == 1
+
+
 def test_one_slow_cell_keeps_the_baseline(ab):
     verdict = ab.decide(runs("v33-direct"), 1.03)
     assert not verdict.keep_tree and verdict.worst == pytest.approx(1.066, abs=1e-3)
