@@ -148,18 +148,37 @@ __device__ __forceinline__ u32 high_bits_to_bytes(u32 h) { return ((h & 0xFu) * 
 // bytes 8..15 give there are discarded by the pick), nibbles 8..15 index the second half once bit 3 is cleared, and
 // the pick takes byte k of the first or of the second half by bit 3. A word's selectors are made once for both its
 // halves (__byte_perm would clear bit 3 of every selector again: one more instruction per call).
-__device__ __forceinline__ void iq4nl_lookup(u32 w, u32& lo, u32& hi) {
+// The values of payload word k in its nibbles' order: r[0] = elements 4k, 16+4k, 4k+1, 17+4k; r[1] = 4k+2, 18+4k,
+// 4k+3, 19+4k (SELECTOR_ORDER pairs them with activations staged in that order).
+__device__ __forceinline__ void iq4nl_pairs(u32 w, u32 (&r)[2]) {
     const u32 t0 = 0xBFAD9881u, t1 = 0xF6EADDCFu, t2 = 0x26190D01u, t3 = 0x71594535u;
     const u32 second = w & 0x77777777u;
     const u32 pick = ((w >> 1) & 0x44444444u) | 0x32103210u;
-    u32 r[2];
 #pragma unroll
     for (int i = 0; i < 2; ++i) {  // the nibbles of bytes 2i and 2i+1 (low, high, low, high); prmt reads bits 0-15
         const int s = 16 * i;
         r[i] = prmt(prmt(t0, t1, w >> s), prmt(t2, t3, second >> s), pick >> s);
     }
+}
+
+__device__ __forceinline__ void iq4nl_lookup(u32 w, u32& lo, u32& hi) {
+    u32 r[2];
+    iq4nl_pairs(w, r);
     lo = prmt(r[0], r[1], 0x6420u);  // values of elements 4k..4k+3
     hi = prmt(r[0], r[1], 0x7531u);  // values of elements 16+4k..16+4k+3
+}
+
+// The lookup codebooks' staged activations (gemv_staged) in iq4nl_pairs' order: a block's words k = 0..3 of each
+// half (q0[k]: elements 4k.., q1[k]: 16+4k..) become words 2k, 2k+1 of elements 4k, 16+4k, 4k+1, 17+4k and 4k+2,
+// 18+4k, 4k+3, 19+4k. A block's dot product is an integer sum, so any order of its terms gives its bytes; staged
+// once per CTA, the order spares every column's decode two prmt per word.
+__device__ __forceinline__ void to_selector_order(int4& q0, int4& q1) {
+    const u32 a[4] = {(u32)q0.x, (u32)q0.y, (u32)q0.z, (u32)q0.w}, b[4] = {(u32)q1.x, (u32)q1.y, (u32)q1.z, (u32)q1.w};
+    u32 r[8];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) r[2 * k] = prmt(a[k], b[k], 0x5140u), r[2 * k + 1] = prmt(a[k], b[k], 0x7362u);
+    q0 = make_int4((int)r[0], (int)r[1], (int)r[2], (int)r[3]);
+    q1 = make_int4((int)r[4], (int)r[5], (int)r[6], (int)r[7]);
 }
 
 // Four unsigned 6-bit codes (one per byte) minus 32, as int8 bytes: flipping bit 5 gives the 6-bit two's
@@ -470,11 +489,18 @@ struct ColumnGroup {
             for (int i = 0; i < QH; ++i) qh[i] = first.qh[i];
     }
 
-    // Block u of the group (block b of the matrix): int8 words v[k] = elements 4k..4k+3, its scales and min.
+    // Block u of the group (block b of the matrix): int8 words v[k] = elements 4k..4k+3, its scales and min;
+    // SELECTOR_ORDER (lookup codebooks): v in iq4nl_pairs' order, for activations staged in it (to_selector_order).
+    template <bool SELECTOR_ORDER>
     __device__ __forceinline__ void block(int u, int b, int (&v)[8], float (&d_w)[T::HALVES], float& m_w) const {
+        static_assert(!SELECTOR_ORDER || T::TABLE, "the selector order is the lookup's");
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
-            if constexpr (T::GROUP == 1) {
+            if constexpr (SELECTOR_ORDER) {
+                u32 r[2];
+                iq4nl_pairs(w[0][k], r);
+                v[2 * k] = (int)r[0], v[2 * k + 1] = (int)r[1];
+            } else if constexpr (T::GROUP == 1) {
                 decode_word<CB>(w[0][k], w[0][CB == Q8_0 ? k + 4 : k], qh[0], k, v[k], v[k + 4]);
             } else if constexpr (CB == Q6_K) {
                 const int r = 2 * (u & 1);
@@ -533,6 +559,7 @@ __device__ __forceinline__ void dp4a_partial(GEMV_PARAMS) {
     // (its batch measured 1.16-1.49x slower at M = 1: bench/NOTES.md, version 16).
     constexpr int BATCH = (CB == Q5_K && CC > 1) || CB == IQ4_XS ? 1 : UNROLL;
     constexpr bool ROW_AHEAD = MT == 1 && G == 1 && !STAGE;  // one row, one block per group: its activations ride along
+    constexpr bool SELECTOR_ORDER = STAGE && T::TABLE;       // staged in the lookup's order (to_selector_order)
     DYNAMIC_SHARED(float, partials);  // direct family: [S-1][MT][blockDim.x*CPT], then (STAGE) the staged blocks
     const Planes P{payload, high, scale, minv, sub};
 
@@ -554,8 +581,17 @@ __device__ __forceinline__ void dp4a_partial(GEMV_PARAMS) {
         if (STAGE) {
             if (m0 > 0) __syncthreads();  // every thread has read the previous row
             const int tid = threadIdx.x + blockDim.x * threadIdx.y, threads = blockDim.x * blockDim.y;
-            for (int i = tid; i < 2 * staged; i += threads)
-                stage_q[i] = __ldg(reinterpret_cast<const int4*>(qa) + 2 * ((u64)(stage_begin + i / 2) * M + m0) + i % 2);
+            if constexpr (SELECTOR_ORDER) {
+                for (int i = tid; i < staged; i += threads) {
+                    const int4* q = reinterpret_cast<const int4*>(qa) + 2 * ((u64)(stage_begin + i) * M + m0);
+                    int4 q0 = __ldg(q), q1 = __ldg(q + 1);
+                    to_selector_order(q0, q1);
+                    stage_q[2 * i] = q0, stage_q[2 * i + 1] = q1;
+                }
+            } else {
+                for (int i = tid; i < 2 * staged; i += threads)
+                    stage_q[i] = __ldg(reinterpret_cast<const int4*>(qa) + 2 * ((u64)(stage_begin + i / 2) * M + m0) + i % 2);
+            }
             for (int i = tid; i < staged; i += threads) {
                 const u64 at = (u64)(stage_begin + i) * M + m0;
                 stage_ds[i] = make_int2(__float_as_int(__ldg(da + at)), __ldg(sa + at));
@@ -602,7 +638,7 @@ __device__ __forceinline__ void dp4a_partial(GEMV_PARAMS) {
                         int v[CC][8];
                         float dw[CC][H], mw[CC];
 #pragma unroll
-                        for (int c = 0; c < CC; ++c) col[i][c].block(u, b, v[c], dw[c], mw[c]);
+                        for (int c = 0; c < CC; ++c) col[i][c].template block<SELECTOR_ORDER>(u, b, v[c], dw[c], mw[c]);
 #pragma unroll
                         for (int r = 0; r < MT; ++r) {
                             if (r < rows) {

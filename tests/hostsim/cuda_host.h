@@ -29,6 +29,7 @@ struct int4 { int x, y, z, w; };
 struct uint2 { unsigned x, y; };
 struct int2 { int x, y; };
 inline int2 make_int2(int x, int y) { return int2{x, y}; }
+inline int4 make_int4(int x, int y, int z, int w) { return int4{x, y, z, w}; }
 struct float2 { float x, y; };
 inline float2 make_float2(float x, float y) { return float2{x, y}; }
 struct dim3 { unsigned x = 1, y = 1, z = 1; };
