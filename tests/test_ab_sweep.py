@@ -1,0 +1,62 @@
+"""bench/ab_sweep_on_device.sh's decisions, off the device: with the A/B and the sweep stubbed (the committed version
+35 runs, which ab_decide keeps, and version 36's, which it drops), the applied patches stay or are reverted last
+first, the sweep runs on whatever source is kept, and a call without a verdict sweeps nothing."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_bench_report import REPO
+
+SCRIPT = REPO / "bench" / "ab_sweep_on_device.sh"
+pytestmark = pytest.mark.skipif(not SCRIPT.is_file() or shutil.which("patch") is None,
+                                reason="needs the checkout's bench/ and the patch tool")
+
+
+def call(tmp_path: Path, runs: list[str], patches: int) -> tuple[subprocess.CompletedProcess, Path, Path]:
+    """The script in a scratch tree whose file `source` holds `patches` lines, line i added by patch i; the stubbed
+    A/B leaves the committed runs `ab-RUN.json` of bench/results."""
+    tree, out = tmp_path / "tree", tmp_path / "out"
+    (tree / "bench").mkdir(parents=True)
+    out.mkdir()
+    for name in ("ab_sweep_on_device.sh", "ab_decide.py"):
+        shutil.copy(REPO / "bench" / name, tree / "bench" / name)
+    (tree / "bench" / "device_env.sh").write_text(f'python3() {{ "{sys.executable}" "$@"; }}\n')
+    results = REPO / "bench" / "results"
+    copies = " ".join(f'cp {results / f"ab-{run}.json"} "$OUT"; touch "$OUT/ab-{run}.log";' for run in runs)
+    (tree / "bench" / "ab_on_device.sh").write_text(copies + "\n")
+    (tree / "bench" / "sweep_on_device.sh").write_text('echo "$@" > "$OUT/swept"\n')
+    names = [f"p{i}.patch" for i in range(patches)]
+    for i, name in enumerate(names):  # patch i appends line i
+        (tree / name).write_text(f"--- a/source\n+++ b/source\n@@ -{i},0 +{i + 1} @@\n+line {i}\n")
+    (tree / "source").write_text("".join(f"line {i}\n" for i in range(patches)))
+    command = ["bash", "bench/ab_sweep_on_device.sh", "base.cu", "1", "0.99", " ".join(names), "x:Q4_0:1"]
+    result = subprocess.run(command, cwd=tree, env={**os.environ, "OUT": str(out)}, capture_output=True, text=True,
+                            timeout=120)
+    return result, tree, out
+
+
+def test_a_winning_tree_is_swept_as_it_is(tmp_path):
+    result, tree, out = call(tmp_path, [f"v35-{f}-h200" for f in ("direct", "kpar", "wide")], 2)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert (tree / "source").read_text() == "line 0\nline 1\n"
+    assert "keep the tree's source" in (out / "decide.txt").read_text()
+    assert (out / "swept").read_text().startswith("all 1,4,16 graph ") and (out / "ab.tgz").is_file()
+
+
+def test_a_losing_tree_is_reverted_before_the_sweep(tmp_path):
+    result, tree, out = call(tmp_path, [f"v36-{f}-h200" for f in ("kpar", "wide")], 2)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert (tree / "source").read_text() == ""
+    assert "reverting p0.patch p1.patch" in result.stdout and (out / "swept").is_file()
+
+
+def test_no_verdict_no_sweep(tmp_path):
+    result, tree, out = call(tmp_path, [], 1)
+    assert result.returncode == 1 and "no sweep" in result.stdout
+    assert (tree / "source").read_text() == "line 0\n" and not (out / "swept").exists()
