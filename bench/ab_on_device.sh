@@ -5,8 +5,7 @@
 # so keep 2 × specs plus whatever else the call writes within that. The cell lines of every log are printed last.
 #   bash bench/ab_on_device.sh BASE.cu SECONDS FAMILY:CODEBOOKS:MS [FAMILY:CODEBOOKS:MS ...]
 #   bash bench/ab_on_device.sh .ab/base.cu 90 wide:Q4_0,IQ4_NL:1,4,8 kpar:Q4_0,IQ4_NL:1,4,8
-# A call that sweeps next lets bench/ab_decide.py choose the source to sweep (exit 0: the tree's), e.g.
-#   python3 bench/ab_decide.py "$OUT"/ab-*.json || patch -R -p1 < bench/results/vNN-….patch
+# bench/ab_sweep_on_device.sh runs it, lets bench/ab_decide.py choose the source and sweeps that one, in one call.
 set -uo pipefail
 source bench/device_env.sh
 base=${1:?the baseline kernel source}
