@@ -218,7 +218,11 @@ def run_fleet(plan: SweepPlan, corpus_root: str | os.PathLike[str], spec: TimerS
     with connected(address) as ray:
         handles = _start(ray, spec, wait)
         try:
-            identities = _get(ray, [h.describe.remote(cells) for h in handles])
+            refs = [h.describe.remote(cells) for h in handles]
+            # Every actor answers before one's error is raised: an actor killed mid-call has Ray print a retry
+            # notice beside the error's one line.
+            ray.wait(refs, num_returns=len(refs))
+            identities = _get(ray, refs)
             for i, ident in enumerate(identities):
                 print(f"GPU {i}: {ident.gpu_name} on {ident.where}", file=sys.stderr)
             models = _models(Path(corpus_root), cells, groups, dict(zip(handles, identities, strict=True)))

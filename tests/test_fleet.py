@@ -85,8 +85,9 @@ def test_each_gpu_model_gets_its_own_folder_and_resumes(cluster, source, shapes,
 def test_an_actors_error_is_one_line(cluster, source, shapes, tmp_path):
     result = invoke(*sweep_args(source, shapes, tmp_path, "--ray", "--m", "1,31"))
     assert result.exit_code == 2, result.output
-    assert result.stderr.startswith("error: 8 of 16 cells of the plan cannot be timed (a replay corpus lacks")
-    assert result.stderr.count("\n") == 1
+    assert result.stderr.startswith("error: 8 of 16 cells of the plan cannot be timed (a replay corpus lacks"), \
+        result.stderr
+    assert result.stderr.count("\n") == 1, result.stderr
     assert not (tmp_path / SLUG).exists()
 
 
