@@ -7,8 +7,9 @@ weight block for the dp4a engine, per mma for the tensor-core engine.
 kernels.ptxas.compile_report builds the instantiations (the compile check's nvcc command) for the package's kernel
 source and each --source; cuobjdump -sass disassembles them. cuobjdump is not part of every CUDA install: `pip
 download nvidia-cuda-cuobjdump` brings it (bin/cuobjdump in the wheel). The main loop is the innermost backward
-branch holding an mma (IMMA) or at least one block's dp4a instructions (8 IDP per 32-element block); its units are
-its IMMA count, else its IDP count / 8 (blocks). The ring's loop holds its three chunk variants, so its figure is
+branch holding an mma (IMMA) or at least one block's dp4a instructions (8 IDP per 32-element block, 16 in the lookup
+codebooks' staged kernels, which add two addends per word: gemv.cu's iq4nl_addends); its units are its IMMA count,
+else its IDP count over the kernel's IDP per block (blocks). The ring's loop holds its three chunk variants, so its figure is
 their mean. These are static counts: what the loop issues per unit, not how long it waits.
 """
 
@@ -25,7 +26,8 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from gemv_dispatch.kernels import ptxas
+from gemv_dispatch.kernels import program, ptxas
+from gemv_dispatch.kernels.codebooks import CODEBOOKS, get
 from gemv_dispatch.kernels.registry import instantiations
 
 DP4A_PER_BLOCK = 8  # 32 int8 products, 4 per IDP
@@ -64,31 +66,42 @@ def functions(dump: str) -> dict[str, list[tuple[int, str]]]:
     return found
 
 
-def work(ops: collections.Counter[str]) -> tuple[float, str] | None:
-    """(units, unit) of a loop body's opcode counts: its mma instructions, else its whole blocks of dp4a; None if
-    it holds neither."""
+def dp4a_per_block(kernel: str, addends: bool) -> int:
+    """IDP instructions per weight block of a kernel named as in source ("gemv_staged<5, 1, false>", its first
+    argument the codebook's index): twice DP4A_PER_BLOCK in the lookup codebooks' staged kernels of a source whose
+    words are two `addends` there (gemv.cu's iq4nl_addends; older sources have none)."""
+    name, arguments = kernel.split("<", 1)
+    lookup = get(CODEBOOKS[int(arguments.split(",")[0])]).table
+    return 2 * DP4A_PER_BLOCK if addends and name == "gemv_staged" and lookup else DP4A_PER_BLOCK
+
+
+def work(ops: collections.Counter[str], per_block: int = DP4A_PER_BLOCK) -> tuple[float, str] | None:
+    """(units, unit) of a loop body's opcode counts: its mma instructions, else its whole blocks of dp4a
+    (`per_block` IDP each); None if it holds neither."""
     if ops["IMMA"]:
         return ops["IMMA"], "mma"
-    return (ops["IDP"] / DP4A_PER_BLOCK, "block") if ops["IDP"] >= DP4A_PER_BLOCK else None
+    return (ops["IDP"] / per_block, "block") if ops["IDP"] >= per_block else None
 
 
-def main_loop(name: str, code: list[tuple[int, str]]) -> LoopCount | None:
+def main_loop(name: str, code: list[tuple[int, str]], addends: bool = True) -> LoopCount | None:
     """The innermost backward-branch loop of function `name` that does work (an mma, or a block's dp4a), counted;
     None if it has none."""
     best: LoopCount | None = None
+    kernel = ptxas.source_name(name)
     for address, instruction in code:
         m = _BRANCH.search(instruction)
         if m and int(m.group(1), 16) < address:
             body = [text for at, text in code if int(m.group(1), 16) <= at <= address]
             ops = collections.Counter(map(opcode, body))
-            if (found := work(ops)) and (best is None or len(body) < best.instructions):
-                best = LoopCount(ptxas.source_name(name), len(body), *found, dict(ops.most_common()))
+            if (found := work(ops, dp4a_per_block(kernel, addends))) and (best is None or len(body) < best.instructions):
+                best = LoopCount(kernel, len(body), *found, dict(ops.most_common()))
     return best
 
 
-def count(dump: str) -> list[LoopCount]:
-    """The main loop of every function in a cuobjdump -sass listing that has one, by kernel name."""
-    found = (main_loop(name, code) for name, code in functions(dump).items())
+def count(dump: str, addends: bool = True) -> list[LoopCount]:
+    """The main loop of every function in a cuobjdump -sass listing that has one, by kernel name; `addends`: see
+    dp4a_per_block."""
+    found = (main_loop(name, code, addends) for name, code in functions(dump).items())
     return sorted((c for c in found if c is not None), key=lambda c: c.kernel)
 
 
@@ -113,8 +126,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {f'no file {missing[0]}' if missing else 'cuobjdump or nvcc is not on PATH'}", file=sys.stderr)
         return 2 if missing else 3
     sources = {"package": None, **{str(p): p.read_text() for p in args.source}}
+    package = program.source()
     try:
-        results = {tag: count(disassemble(args.kernels, args.cuobjdump, text)) for tag, text in sources.items()}
+        results = {tag: count(disassemble(args.kernels, args.cuobjdump, text), "iq4nl_addends(" in (text or package))
+                   for tag, text in sources.items()}
     except (RuntimeError, subprocess.CalledProcessError) as failed:  # nvcc (compile_report) or cuobjdump
         text = failed.stderr if isinstance(failed, subprocess.CalledProcessError) else str(failed)
         print(f"error: {([line for line in text.splitlines() if line.strip()] or ['failed'])[-1]}", file=sys.stderr)

@@ -6,9 +6,9 @@ from __future__ import annotations
 from test_bench_report import bench_script
 
 
-def listing(body: list[str], outer_extra: int = 3) -> str:
+def listing(body: list[str], outer_extra: int = 3, function: str = "_Z12gemv_partialILi5ELi1ELi1ELb0EEvPKj") -> str:
     """One function: a prologue, an outer loop around an inner loop of `body`, an epilogue."""
-    lines = ["        Function : _Z12gemv_partialILi5ELi1ELi1ELb0EEvPKj", '        .headerflags    @"EF_CUDA_SM90"']
+    lines = [f"        Function : {function}", '        .headerflags    @"EF_CUDA_SM90"']
     at = 0
 
     def emit(text: str) -> int:
@@ -62,3 +62,14 @@ def test_opcode_drops_predicate_and_modifiers():
     sass = bench_script("sass_per_block")
     assert sass.opcode("@!P0 LDG.E.128.CONSTANT R4, desc[UR8][R50.64]") == "LDG"
     assert sass.opcode("@UP1 UMOV UR4, 0x1") == "UMOV" and sass.opcode("IDP.4A.S8.S8 R8, R4, R12, R8") == "IDP"
+
+
+def test_the_lookup_codebooks_staged_kernels_count_16_dp4a_a_block():
+    """IQ4_NL's staged kernel adds two addends a word (16 IDP a block); the same body in its dp4a kernel is 2 blocks,
+    and in Q4_0's staged kernel too."""
+    sass = bench_script("sass_per_block")
+    body = ["IDP.4A.S8.S8 R8, R4, R12, R8"] * 16 + ["PRMT R4, R4, 0x3210, R5"] * 8
+    for function, blocks in (("_Z11gemv_stagedILi5ELi1ELb0EEvPKj", 1), ("_Z11gemv_stagedILi0ELi1ELb0EEvPKj", 2),
+                             ("_Z12gemv_partialILi5ELi1ELi1ELb0EEvPKj", 2)):
+        (count,) = sass.count(listing(body, function=function))
+        assert (count.units, count.unit) == (blocks, "block"), function
