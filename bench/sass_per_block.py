@@ -7,10 +7,11 @@ weight block for the dp4a engine, per mma for the tensor-core engine.
 kernels.ptxas.compile_report builds the instantiations (the compile check's nvcc command) for the package's kernel
 source and each --source; cuobjdump -sass disassembles them. cuobjdump is not part of every CUDA install: `pip
 download nvidia-cuda-cuobjdump` brings it (bin/cuobjdump in the wheel). The main loop is the innermost backward
-branch holding an mma (IMMA) or at least one block's dp4a instructions (8 IDP per 32-element block, 16 in the lookup
-codebooks' staged kernels, which add two addends per word: gemv.cu's iq4nl_addends); its units are its IMMA count,
-else its IDP count over the kernel's IDP per block (blocks). The ring's loop holds its three chunk variants, so its figure is
-their mean. These are static counts: what the loop issues per unit, not how long it waits.
+branch holding an mma (IMMA) or at least one block's dp4a instructions (8 IDP of weights and activations per
+32-element block, 16 in the lookup codebooks' staged kernels, which add two addends per word: gemv.cu's
+iq4nl_addends; an IDP by a constant, a uniform register or an immediate, sums bytes and is no block's); its units are
+its IMMA count, else its blocks. The ring's loop holds its three chunk variants, so its figure is their mean. These
+are static counts: what the loop issues per unit, not how long it waits.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ DP4A_PER_BLOCK = 8  # 32 int8 products, 4 per IDP
 _FUNCTION = re.compile(r"\s+Function : (\S+)")
 _INSTRUCTION = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 _BRANCH = re.compile(r"\bBRA (0x[0-9a-f]+)")
+_CONSTANT_SOURCE = re.compile(r",\s*(UR\d+|0x[0-9a-f]+|c\[)")  # a uniform register, an immediate, a constant bank
 
 
 @dataclass(frozen=True)
@@ -75,12 +77,12 @@ def dp4a_per_block(kernel: str, addends: bool) -> int:
     return 2 * DP4A_PER_BLOCK if addends and name == "gemv_staged" and lookup else DP4A_PER_BLOCK
 
 
-def work(ops: collections.Counter[str], per_block: int = DP4A_PER_BLOCK) -> tuple[float, str] | None:
-    """(units, unit) of a loop body's opcode counts: its mma instructions, else its whole blocks of dp4a
-    (`per_block` IDP each); None if it holds neither."""
+def work(ops: collections.Counter[str], products: int, per_block: int = DP4A_PER_BLOCK) -> tuple[float, str] | None:
+    """(units, unit) of a loop body's opcode counts and its IDP of weights and activations (`products`): its mma
+    instructions, else its whole blocks of dp4a (`per_block` products each); None if it holds neither."""
     if ops["IMMA"]:
         return ops["IMMA"], "mma"
-    return (ops["IDP"] / per_block, "block") if ops["IDP"] >= per_block else None
+    return (products / per_block, "block") if products >= per_block else None
 
 
 def main_loop(name: str, code: list[tuple[int, str]], addends: bool = True) -> LoopCount | None:
@@ -93,7 +95,8 @@ def main_loop(name: str, code: list[tuple[int, str]], addends: bool = True) -> L
         if m and int(m.group(1), 16) < address:
             body = [text for at, text in code if int(m.group(1), 16) <= at <= address]
             ops = collections.Counter(map(opcode, body))
-            if (found := work(ops, dp4a_per_block(kernel, addends))) and (best is None or len(body) < best.instructions):
+            products = sum(opcode(text) == "IDP" and not _CONSTANT_SOURCE.search(text) for text in body)
+            if (found := work(ops, products, dp4a_per_block(kernel, addends))) and (best is None or len(body) < best.instructions):
                 best = LoopCount(kernel, len(body), *found, dict(ops.most_common()))
     return best
 

@@ -73,3 +73,12 @@ def test_the_lookup_codebooks_staged_kernels_count_16_dp4a_a_block():
                              ("_Z12gemv_partialILi5ELi1ELi1ELb0EEvPKj", 2)):
         (count,) = sass.count(listing(body, function=function))
         assert (count.units, count.unit) == (blocks, "block"), function
+
+
+def test_a_dp4a_by_a_constant_sums_bytes_and_is_no_blocks():
+    """Q6_K's dp4a kernels sum each half's activation bytes with IDP by 0x01010101 (a uniform register or an
+    immediate): 8 products and 4 sums are one block."""
+    sass = bench_script("sass_per_block")
+    sums = ["IDP.4A.S8.S8 R68, R32, UR5, RZ", "IDP.4A.S8.S8 R65, R33, 0x1010101, R68"] * 2
+    (count,) = sass.count(listing(["IDP.4A.S8.S8 R8, R4, R12, R8"] * 8 + sums))
+    assert (count.units, count.unit) == (1, "block") and count.ops["IDP"] == 12
