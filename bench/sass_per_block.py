@@ -96,7 +96,8 @@ def main_loop(name: str, code: list[tuple[int, str]], addends: bool = True) -> L
             body = [text for at, text in code if int(m.group(1), 16) <= at <= address]
             ops = collections.Counter(map(opcode, body))
             products = sum(opcode(text) == "IDP" and not _CONSTANT_SOURCE.search(text) for text in body)
-            if (found := work(ops, products, dp4a_per_block(kernel, addends))) and (best is None or len(body) < best.instructions):
+            found = work(ops, products, dp4a_per_block(kernel, addends))
+            if found and (best is None or len(body) < best.instructions):
                 best = LoopCount(kernel, len(body), *found, dict(ops.most_common()))
     return best
 
