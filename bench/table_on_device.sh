@@ -3,7 +3,7 @@
 # machine still warm from bench/sweep_on_device.sh's call, ROOT keeps what that call timed), train on the GPU
 # folder, certify on this GPU, generate. Under $OUT: the corpus tarball (sweep_on_device.sh's three files), policy.json,
 # cert.json, train-certify.log, generated.tgz: seven of the eight files a call returns.
-#   bash bench/table_on_device.sh [SECONDS] [ROOT]
+#   [SWEEP_DEVICES=0,1] bash bench/table_on_device.sh [SECONDS] [ROOT]   (SWEEP_DEVICES: the GPUs to sweep on)
 #   bash bench/table_on_device.sh 340 /tmp/sw/corpus      (after: bash bench/sweep_on_device.sh all 1,4,16 graph 550 "" /tmp/sw/corpus)
 # Then here: `rm -rf corpus/nvidia-h200 && tar xzf corpus.tgz` (the tarball's top folder is ROOT's name: corpus),
 # `tar xzf generated.tgz`, policy.json into generated/nvidia-h200/, and the golden files regenerated
@@ -13,7 +13,9 @@ source bench/device_env.sh
 seconds=${1:-0}
 root=${2:-corpus}
 start=$(date +%s)
-if [ "$seconds" -gt 0 ]; then bash bench/sweep_on_device.sh all 1,4,16 graph "$seconds" "" "$root" | tail -4; fi
+if [ "$seconds" -gt 0 ]; then
+    bash bench/sweep_on_device.sh all 1,4,16 graph "$seconds" "${SWEEP_DEVICES:-}" "$root" | tail -4
+fi
 gpu=${GPU_SLUG:-nvidia-h200}
 folder="corpus/$gpu"  # trained and certified where the repository keeps it, as the CPU `tune` reads it
 if [ "$root" != corpus ]; then rm -rf "$folder" && cp -r "$root/$gpu" corpus/ || exit 1; fi

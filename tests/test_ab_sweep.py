@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(not SCRIPT.is_file() or shutil.which("patch") is
                                 reason="needs the checkout's bench/ and the patch tool")
 
 
-def call(tmp_path: Path, runs: list[str], patches: int) -> tuple[subprocess.CompletedProcess, Path, Path]:
+def call(tmp_path: Path, runs: list[str], patches: int, **env: str) -> tuple[subprocess.CompletedProcess, Path, Path]:
     """The script in a scratch tree whose file `source` holds `patches` lines, line i added by patch i; the stubbed
     A/B leaves the committed runs `ab-RUN.json` of bench/results."""
     tree, out = tmp_path / "tree", tmp_path / "out"
@@ -36,8 +36,8 @@ def call(tmp_path: Path, runs: list[str], patches: int) -> tuple[subprocess.Comp
         (tree / name).write_text(f"--- a/source\n+++ b/source\n@@ -{i},0 +{i + 1} @@\n+line {i}\n")
     (tree / "source").write_text("".join(f"line {i}\n" for i in range(patches)))
     command = ["bash", "bench/ab_sweep_on_device.sh", "base.cu", "1", "0.99", " ".join(names), "x:Q4_0:1"]
-    result = subprocess.run(command, cwd=tree, env={**os.environ, "OUT": str(out)}, capture_output=True, text=True,
-                            timeout=120)
+    result = subprocess.run(command, cwd=tree, env={**os.environ, "OUT": str(out), **env}, capture_output=True,
+                            text=True, timeout=120)
     return result, tree, out
 
 
@@ -60,3 +60,9 @@ def test_no_verdict_no_sweep(tmp_path):
     result, tree, out = call(tmp_path, [], 1)
     assert result.returncode == 1 and "no sweep" in result.stdout
     assert (tree / "source").read_text() == "line 0\n" and not (out / "swept").exists()
+
+
+def test_the_sweep_takes_the_gpus_it_is_given(tmp_path):
+    result, _, out = call(tmp_path, [f"v35-{f}-h200" for f in ("direct", "kpar", "wide")], 1, SWEEP_DEVICES="0,1")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert (out / "swept").read_text().split()[4:] == ["0,1", "/tmp/sw/corpus"]
