@@ -8,10 +8,11 @@ kernels.ptxas.compile_report builds the instantiations (the compile check's nvcc
 source and each --source; cuobjdump -sass disassembles them. cuobjdump is not part of every CUDA install: `pip
 download nvidia-cuda-cuobjdump` brings it (bin/cuobjdump in the wheel). The main loop is the innermost backward
 branch holding an mma (IMMA) or at least one block's dp4a instructions (8 IDP of weights and activations per
-32-element block, 16 in the lookup codebooks' staged kernels, which add two addends per word: gemv.cu's
-iq4nl_addends; an IDP by a constant, a uniform register or an immediate, sums bytes and is no block's); its units are
-its IMMA count, else its blocks. The ring's loop holds its three chunk variants, so its figure is their mean. These
-are static counts: what the loop issues per unit, not how long it waits.
+32-element block; an IDP by a constant, a uniform register or an immediate, sums bytes and is no block's); its units
+are its mmas of work, else its blocks. Where a source takes a lookup codebook's payload word as two addends (Addends:
+gemv.cu's iq4nl_addends in the staged kernels, RING_ADDENDS in the ring), each addend has its own dp4a or mma, so a
+block is 16 IDP and an mma of work 2 IMMA. The ring's loop holds its three chunk variants, so its figure is their
+mean. These are static counts: what the loop issues per unit, not how long it waits.
 """
 
 from __future__ import annotations
@@ -68,24 +69,37 @@ def functions(dump: str) -> dict[str, list[tuple[int, str]]]:
     return found
 
 
-def dp4a_per_block(kernel: str, addends: bool) -> int:
-    """IDP instructions per weight block of a kernel named as in source ("gemv_staged<5, 1, false>", its first
-    argument the codebook's index): twice DP4A_PER_BLOCK in the lookup codebooks' staged kernels of a source whose
-    words are two `addends` there (gemv.cu's iq4nl_addends; older sources have none)."""
-    name, arguments = kernel.split("<", 1)
-    lookup = get(CODEBOOKS[int(arguments.split(",")[0])]).table
-    return 2 * DP4A_PER_BLOCK if addends and name == "gemv_staged" and lookup else DP4A_PER_BLOCK
+@dataclass(frozen=True)
+class Addends:
+    """Where a kernel source takes a lookup codebook's payload word as two addends, each its own dp4a or mma."""
+
+    staged: bool = True  # the staged dp4a kernels (gemv.cu's iq4nl_addends)
+    ring: bool = True  # the tensor-core ring (RING_ADDENDS)
+
+    @classmethod
+    def of(cls, source: str) -> Addends:
+        return cls("iq4nl_addends(" in source, "RING_ADDENDS" in source)
+
+    def per_unit(self, kernel: str) -> tuple[int, int]:
+        """(IDP of weights and activations per block, IMMA per mma of work) of a kernel named as in source
+        ("gemv_staged<5, 1, false>": its first argument the codebook's index)."""
+        name, arguments = kernel.split("<", 1)
+        lookup = get(CODEBOOKS[int(arguments.split(",")[0])]).table
+        staged, ring = lookup and self.staged and name == "gemv_staged", lookup and self.ring and name == "gemv_mma"
+        return DP4A_PER_BLOCK * (1 + staged), 1 + ring
 
 
-def work(ops: collections.Counter[str], products: int, per_block: int = DP4A_PER_BLOCK) -> tuple[float, str] | None:
-    """(units, unit) of a loop body's opcode counts and its IDP of weights and activations (`products`): its mma
-    instructions, else its whole blocks of dp4a (`per_block` products each); None if it holds neither."""
+def work(ops: collections.Counter[str], products: int, per_block: int = DP4A_PER_BLOCK,
+         per_mma: int = 1) -> tuple[float, str] | None:
+    """(units, unit) of a loop body's opcode counts and its IDP of weights and activations (`products`): its mmas of
+    work (`per_mma` IMMA each), else its whole blocks of dp4a (`per_block` products each); None if it holds
+    neither."""
     if ops["IMMA"]:
-        return ops["IMMA"], "mma"
+        return ops["IMMA"] / per_mma, "mma"
     return (products / per_block, "block") if products >= per_block else None
 
 
-def main_loop(name: str, code: list[tuple[int, str]], addends: bool = True) -> LoopCount | None:
+def main_loop(name: str, code: list[tuple[int, str]], addends: Addends = Addends()) -> LoopCount | None:
     """The innermost backward-branch loop of function `name` that does work (an mma, or a block's dp4a), counted;
     None if it has none."""
     best: LoopCount | None = None
@@ -96,15 +110,15 @@ def main_loop(name: str, code: list[tuple[int, str]], addends: bool = True) -> L
             body = [text for at, text in code if int(m.group(1), 16) <= at <= address]
             ops = collections.Counter(map(opcode, body))
             products = sum(opcode(text) == "IDP" and not _CONSTANT_SOURCE.search(text) for text in body)
-            found = work(ops, products, dp4a_per_block(kernel, addends))
+            found = work(ops, products, *addends.per_unit(kernel))
             if found and (best is None or len(body) < best.instructions):
                 best = LoopCount(kernel, len(body), *found, dict(ops.most_common()))
     return best
 
 
-def count(dump: str, addends: bool = True) -> list[LoopCount]:
-    """The main loop of every function in a cuobjdump -sass listing that has one, by kernel name; `addends`: see
-    dp4a_per_block."""
+def count(dump: str, addends: Addends = Addends()) -> list[LoopCount]:
+    """The main loop of every function in a cuobjdump -sass listing that has one, by kernel name, of a source whose
+    `addends` are these."""
     found = (main_loop(name, code, addends) for name, code in functions(dump).items())
     return sorted((c for c in found if c is not None), key=lambda c: c.kernel)
 
@@ -132,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     sources = {"package": None, **{str(p): p.read_text() for p in args.source}}
     package = program.source()
     try:
-        results = {tag: count(disassemble(args.kernels, args.cuobjdump, text), "iq4nl_addends(" in (text or package))
+        results = {tag: count(disassemble(args.kernels, args.cuobjdump, text), Addends.of(text or package))
                    for tag, text in sources.items()}
     except (RuntimeError, subprocess.CalledProcessError) as failed:  # nvcc (compile_report) or cuobjdump
         text = failed.stderr if isinstance(failed, subprocess.CalledProcessError) else str(failed)

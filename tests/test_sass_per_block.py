@@ -82,3 +82,15 @@ def test_a_dp4a_by_a_constant_sums_bytes_and_is_no_blocks():
     sums = ["IDP.4A.S8.S8 R68, R32, UR5, RZ", "IDP.4A.S8.S8 R65, R33, 0x1010101, R68"] * 2
     (count,) = sass.count(listing(["IDP.4A.S8.S8 R8, R4, R12, R8"] * 8 + sums))
     assert (count.units, count.unit) == (1, "block") and count.ops["IDP"] == 12
+
+
+def test_the_lookup_codebooks_ring_counts_two_mma_a_unit_where_the_source_has_addends():
+    sass = bench_script("sass_per_block")
+    body = ["IMMA.16832.S8.S8 R8, R12.ROW, R4.COL, R8"] * 4 + ["PRMT R4, R4, 0x3210, R5"] * 8
+    ring = "_Z8gemv_mmaILi5ELi2ELi1ELb0ELi128ELb0EEvPKj"  # gemv_mma<5, 2, 1, false, 128, false>: IQ4_NL
+    (count,) = sass.count(listing(body, function=ring))
+    assert (count.units, count.unit) == (2, "mma")
+    (count,) = sass.count(listing(body, function=ring), sass.Addends(staged=True, ring=False))
+    assert (count.units, count.unit) == (4, "mma")
+    (count,) = sass.count(listing(body, function=ring.replace("ILi5E", "ILi0E", 1)))  # Q4_0: no lookup
+    assert count.units == 4
