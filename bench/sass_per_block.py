@@ -10,9 +10,10 @@ download nvidia-cuda-cuobjdump` brings it (bin/cuobjdump in the wheel). The main
 branch holding an mma (IMMA) or at least one block's dp4a instructions (8 IDP of weights and activations per
 32-element block; an IDP by a constant, a uniform register or an immediate, sums bytes and is no block's); its units
 are its mmas of work, else its blocks. Where a source takes a lookup codebook's payload word as two addends (Addends:
-gemv.cu's iq4nl_addends in the staged kernels, RING_ADDENDS in the ring), each addend has its own dp4a or mma, so a
-block is 16 IDP and an mma of work 2 IMMA. The ring's loop holds its three chunk variants, so its figure is their
-mean. These are static counts: what the loop issues per unit, not how long it waits.
+gemv.cu's iq4nl_addends in the staged kernels, or in every one-row dp4a kernel where its SELECTOR_ORDER says MT == 1;
+RING_ADDENDS in the ring), each addend has its own dp4a or mma, so a block is 16 IDP and an mma of work 2 IMMA. The
+ring's loop holds its three chunk variants, so its figure is their mean. These are static counts: what the loop
+issues per unit, not how long it waits.
 """
 
 from __future__ import annotations
@@ -73,20 +74,25 @@ def functions(dump: str) -> dict[str, list[tuple[int, str]]]:
 class Addends:
     """Where a kernel source takes a lookup codebook's payload word as two addends, each its own dp4a or mma."""
 
-    staged: bool = True  # the staged dp4a kernels (gemv.cu's iq4nl_addends)
-    ring: bool = True  # the tensor-core ring (RING_ADDENDS)
+    staged: bool = False  # the staged dp4a kernels (gemv.cu's iq4nl_addends)
+    one_row: bool = False  # the unstaged dp4a kernels of one row too (SELECTOR_ORDER's condition: MT == 1)
+    ring: bool = False  # the tensor-core ring (RING_ADDENDS)
 
     @classmethod
     def of(cls, source: str) -> Addends:
-        return cls("iq4nl_addends(" in source, "RING_ADDENDS" in source)
+        split = "iq4nl_addends(" in source
+        order = re.search(r"constexpr bool SELECTOR_ORDER = ([^;]*);", source)
+        return cls(split, split and order is not None and "MT == 1" in order.group(1), "RING_ADDENDS" in source)
 
     def per_unit(self, kernel: str) -> tuple[int, int]:
         """(IDP of weights and activations per block, IMMA per mma of work) of a kernel named as in source
-        ("gemv_staged<5, 1, false>": its first argument the codebook's index)."""
+        ("gemv_partial<5, 1, 1, false>": its first argument the codebook's index, a dp4a kernel's third its rows)."""
         name, arguments = kernel.split("<", 1)
-        lookup = get(CODEBOOKS[int(arguments.split(",")[0])]).table
-        staged, ring = lookup and self.staged and name == "gemv_staged", lookup and self.ring and name == "gemv_mma"
-        return DP4A_PER_BLOCK * (1 + staged), 1 + ring
+        args = [a.strip() for a in arguments.rstrip(">").split(",")]
+        lookup = get(CODEBOOKS[int(args[0])]).table
+        one_row = self.one_row and name == "gemv_partial" and args[2] == "1"
+        dp4a = lookup and ((self.staged and name == "gemv_staged") or one_row)
+        return DP4A_PER_BLOCK * (1 + dp4a), 1 + (lookup and self.ring and name == "gemv_mma")
 
 
 def work(ops: collections.Counter[str], products: int, per_block: int = DP4A_PER_BLOCK,

@@ -65,14 +65,22 @@ def test_opcode_drops_predicate_and_modifiers():
 
 
 def test_the_lookup_codebooks_staged_kernels_count_16_dp4a_a_block():
-    """IQ4_NL's staged kernel adds two addends a word (16 IDP a block); the same body in its dp4a kernel is 2 blocks,
-    and in Q4_0's staged kernel too."""
+    """IQ4_NL's staged kernel adds two addends a word (16 IDP a block); the same body in Q4_0's staged kernel is 2
+    blocks, and in IQ4_NL's unstaged kernel where the source's addends are the staged kernels' alone."""
     sass = bench_script("sass_per_block")
     body = ["IDP.4A.S8.S8 R8, R4, R12, R8"] * 16 + ["PRMT R4, R4, 0x3210, R5"] * 8
+    staged_only = sass.Addends(staged=True, one_row=False, ring=True)  # versions 40 to 44
     for function, blocks in (("_Z11gemv_stagedILi5ELi1ELb0EEvPKj", 1), ("_Z11gemv_stagedILi0ELi1ELb0EEvPKj", 2),
                              ("_Z12gemv_partialILi5ELi1ELi1ELb0EEvPKj", 2)):
-        (count,) = sass.count(listing(body, function=function))
+        (count,) = sass.count(listing(body, function=function), staged_only)
         assert (count.units, count.unit) == (blocks, "block"), function
+    # Where SELECTOR_ORDER covers every one-row kernel, IQ4_NL's unstaged kernel of one row too, not of two.
+    one_row, two_rows = "_Z12gemv_partialILi5ELi1ELi1ELb0EEvPKj", "_Z12gemv_partialILi5ELi1ELi2ELb0EEvPKj"
+    for function, blocks in ((one_row, 1), (two_rows, 2)):
+        (count,) = sass.count(listing(body, function=function), sass.Addends(True, True, True))
+        assert count.units == blocks, function
+    assert sass.Addends.of("iq4nl_addends( constexpr bool SELECTOR_ORDER = T::TABLE && MT == 1;").one_row
+    assert not sass.Addends.of("iq4nl_addends( constexpr bool SELECTOR_ORDER = STAGE && T::TABLE;").one_row
 
 
 def test_a_dp4a_by_a_constant_sums_bytes_and_is_no_blocks():
@@ -88,9 +96,10 @@ def test_the_lookup_codebooks_ring_counts_two_mma_a_unit_where_the_source_has_ad
     sass = bench_script("sass_per_block")
     body = ["IMMA.16832.S8.S8 R8, R12.ROW, R4.COL, R8"] * 4 + ["PRMT R4, R4, 0x3210, R5"] * 8
     ring = "_Z8gemv_mmaILi5ELi2ELi1ELb0ELi128ELb0EEvPKj"  # gemv_mma<5, 2, 1, false, 128, false>: IQ4_NL
-    (count,) = sass.count(listing(body, function=ring))
+    addends = sass.Addends(staged=True, one_row=True, ring=True)
+    (count,) = sass.count(listing(body, function=ring), addends)
     assert (count.units, count.unit) == (2, "mma")
-    (count,) = sass.count(listing(body, function=ring), sass.Addends(staged=True, ring=False))
+    (count,) = sass.count(listing(body, function=ring), sass.Addends(staged=True, one_row=True, ring=False))
     assert (count.units, count.unit) == (4, "mma")
-    (count,) = sass.count(listing(body, function=ring.replace("ILi5E", "ILi0E", 1)))  # Q4_0: no lookup
+    (count,) = sass.count(listing(body, function=ring.replace("ILi5E", "ILi0E", 1)), addends)  # Q4_0: no lookup
     assert count.units == 4
