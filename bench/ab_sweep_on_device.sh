@@ -7,7 +7,8 @@
 #   bash bench/ab_sweep_on_device.sh .ab/base35ab.cu 75 0.99 "bench/results/v38-k6-unpacked.patch \
 #       bench/results/v39-superblock-ring.patch bench/results/v40-iq4-addends.patch \
 #       bench/results/v41-iq4xs-superblock-walk.patch bench/results/v42-k-superblock-walk.patch \
-#       bench/results/v43-q6k-raw-codes.patch bench/results/v44-iq4-ring-addends.patch" \
+#       bench/results/v43-q6k-raw-codes.patch bench/results/v44-iq4-ring-addends.patch \
+#       bench/results/v45-iq4-one-row-addends.patch" \
 #       direct:IQ4_XS,Q4_K,IQ4_NL,Q5_K,Q6_K:1 \
 #       kpar:IQ4_XS,Q4_K,Q5_K,IQ4_NL,Q5_1:1,4,16,31 wide:IQ4_XS,Q4_K,Q5_K,IQ4_NL:16,1   (bench/NOTES.md, row 41)
 # Under $OUT: ab.tgz (every A/B log and JSON), decide.txt (the verdict per cell) and the sweep's three files.
