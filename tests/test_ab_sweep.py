@@ -66,3 +66,15 @@ def test_the_sweep_takes_the_gpus_it_is_given(tmp_path):
     result, _, out = call(tmp_path, [f"v35-{f}-h200" for f in ("direct", "kpar", "wide")], 1, SWEEP_DEVICES="0,1")
     assert result.returncode == 0, result.stdout + result.stderr
     assert (out / "swept").read_text().split()[4:] == ["0,1", "/tmp/sw/corpus"]
+
+
+def test_a_kept_source_the_committed_corpus_holds_is_not_swept_again(tmp_path):
+    """The baseline wins and its digest (the installed package's source, as on the device) is the committed corpus's."""
+    from gemv_dispatch.kernels import program
+    shards = tmp_path / "tree" / "corpus" / "some-gpu" / "shards"
+    shards.mkdir(parents=True)
+    (shards / "a.jsonl").write_text(f'{{"kernel_digest":"{program.digest()}"}}\n')
+    result, tree, out = call(tmp_path, [f"v36-{f}-h200" for f in ("kpar", "wide")], 1)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "is the committed corpus's: no sweep" in result.stdout and not (out / "swept").exists()
+    assert (tree / "source").read_text() == ""  # reverted all the same
