@@ -87,8 +87,10 @@ class Addends:
     def per_unit(self, kernel: str) -> tuple[int, int]:
         """(IDP of weights and activations per block, IMMA per mma of work) of a kernel named as in source
         ("gemv_partial<5, 1, 1, false>": its first argument the codebook's index, a dp4a kernel's third its rows)."""
-        name, arguments = kernel.split("<", 1)
+        name, _, arguments = kernel.partition("<")
         args = [a.strip() for a in arguments.rstrip(">").split(",")]
+        if not args[0].isdigit():  # no codebook argument (quantize_activations)
+            return DP4A_PER_BLOCK, 1
         lookup = get(CODEBOOKS[int(args[0])]).table
         one_row = self.one_row and name == "gemv_partial" and args[2] == "1"
         dp4a = lookup and ((self.staged and name == "gemv_staged") or one_row)

@@ -80,6 +80,7 @@ def test_the_lookup_codebooks_staged_kernels_count_16_dp4a_a_block():
         (count,) = sass.count(listing(body, function=function), sass.Addends(True, True, True))
         assert count.units == blocks, function
     assert sass.Addends.of("iq4nl_addends( constexpr bool SELECTOR_ORDER = T::TABLE && MT == 1;").one_row
+    assert sass.Addends(True, True, True).per_unit("quantize_activations") == (8, 1)
     assert not sass.Addends.of("iq4nl_addends( constexpr bool SELECTOR_ORDER = STAGE && T::TABLE;").one_row
 
 
