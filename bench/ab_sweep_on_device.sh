@@ -4,13 +4,9 @@
 # patches (last first) if it keeps the baseline, then sweep with the call's remaining time into ROOT (resumable:
 # bench/table_on_device.sh finishes it in the next call, on a machine still warm).
 #   bash bench/ab_sweep_on_device.sh BASE.cu SECONDS GEOMEAN "PATCH ..." FAMILY:CODEBOOKS:MS ...
-#   bash bench/ab_sweep_on_device.sh .ab/base35ab.cu 75 0.99 "bench/results/v38-k6-unpacked.patch \
-#       bench/results/v39-superblock-ring.patch bench/results/v40-iq4-addends.patch \
-#       bench/results/v41-iq4xs-superblock-walk.patch bench/results/v42-k-superblock-walk.patch \
-#       bench/results/v43-q6k-raw-codes.patch bench/results/v44-iq4-ring-addends.patch \
-#       bench/results/v45-iq4-one-row-addends.patch" \
-#       direct:IQ4_XS,Q4_K,IQ4_NL,Q5_K,Q6_K:1 \
-#       kpar:IQ4_XS,Q4_K,Q5_K,IQ4_NL,Q5_1:1,4,16,31 wide:IQ4_XS,Q4_K,Q5_K,IQ4_NL:16,1   (bench/NOTES.md, row 41)
+#   bash bench/ab_sweep_on_device.sh .ab/base.cu 75 0.99 "bench/results/vNN-a.patch bench/results/vNN-b.patch" \
+#       direct:Q4_K:1 kpar:Q4_K,IQ4_XS:1,4,16 wide:IQ4_XS:16,1
+# (the next call's command, with its base and patches: bench/NOTES.md, row 41)
 # Under $OUT: ab.tgz (every A/B log and JSON), decide.txt (the verdict per cell) and the sweep's three files (none
 # when the source kept is the one the committed corpus was swept with).
 # SWEEP_DEVICES=0,1 (a machine of two GPUs) sweeps on both, one child process each (sweep_on_device.sh's DEVICES).
@@ -39,12 +35,13 @@ else
 fi
 tail -1 "$OUT/decide.txt"
 (cd "$OUT" && tar czf ab.tgz ab-*.json ab-*.log ab-cells.txt && rm -f ab-*.json ab-*.log ab-cells.txt)
-digest=$(python3 -c "from gemv_dispatch.kernels import program; print(program.digest())")
+digest=$(python3 -c "from gemv_dispatch.kernels import program; print(program.digest()[:12])")
 # A baseline already swept into the committed corpus (the registered source) is not swept again: the call's time is
-# better spent on the next step.
-if grep -qs "\"kernel_digest\":\"$digest\"" corpus/*/shards/*.jsonl; then
-    echo "kernel digest ${digest:0:12} is the committed corpus's: no sweep"; exit 0
+# better spent on the next step. corpus.load refuses a folder (or a missing one) of another kernel digest.
+if python3 -c "import sys; from gemv_dispatch.dispatch.corpus import load; from gemv_dispatch.kernels import program
+load(sys.argv[1], kernel_digest=program.digest())" "corpus/${GPU_SLUG:-nvidia-h200}" 2> /dev/null; then
+    echo "kernel digest $digest is the committed corpus's: no sweep"; exit 0
 fi
-echo "sweeping kernel digest ${digest:0:12}"
+echo "sweeping kernel digest $digest"
 bash bench/sweep_on_device.sh all 1,4,16 graph $(( 575 - ($(date +%s) - start) )) "${SWEEP_DEVICES:-}" /tmp/sw/corpus
 echo "call: $(( $(date +%s) - start )) s"

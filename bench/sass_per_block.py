@@ -27,10 +27,11 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import asdict, dataclass
+from functools import cache
 from pathlib import Path
 
 from gemv_dispatch.kernels import program, ptxas
-from gemv_dispatch.kernels.codebooks import CODEBOOKS, get
+from gemv_dispatch.kernels.codebooks import get
 from gemv_dispatch.kernels.registry import instantiations
 
 DP4A_PER_BLOCK = 8  # 32 int8 products, 4 per IDP
@@ -70,6 +71,12 @@ def functions(dump: str) -> dict[str, list[tuple[int, str]]]:
     return found
 
 
+@cache
+def codebooks() -> dict[str, str]:
+    """The codebook of every kernel instantiation, by its source-level name (the registry's spelling)."""
+    return {name: cb for cb, name in instantiations()}
+
+
 @dataclass(frozen=True)
 class Addends:
     """Where a kernel source takes a lookup codebook's payload word as two addends, each its own dp4a or mma."""
@@ -86,13 +93,13 @@ class Addends:
 
     def per_unit(self, kernel: str) -> tuple[int, int]:
         """(IDP of weights and activations per block, IMMA per mma of work) of a kernel named as in source
-        ("gemv_partial<5, 1, 1, false>": its first argument the codebook's index, a dp4a kernel's third its rows)."""
-        name, _, arguments = kernel.partition("<")
-        args = [a.strip() for a in arguments.rstrip(">").split(",")]
-        if not args[0].isdigit():  # no codebook argument (quantize_activations)
+        ("gemv_partial<5, 1, 1, false>": a dp4a kernel's third argument its rows); plain for a kernel the registry
+        does not launch (quantize_activations)."""
+        if kernel not in codebooks():
             return DP4A_PER_BLOCK, 1
-        lookup = get(CODEBOOKS[int(args[0])]).table
-        one_row = self.one_row and name == "gemv_partial" and args[2] == "1"
+        name, _, arguments = kernel.partition("<")
+        lookup = get(codebooks()[kernel]).table
+        one_row = self.one_row and name == "gemv_partial" and arguments.split(",")[2].strip() == "1"
         dp4a = lookup and ((self.staged and name == "gemv_staged") or one_row)
         return DP4A_PER_BLOCK * (1 + dp4a), 1 + (lookup and self.ring and name == "gemv_mma")
 
@@ -163,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps({tag: [asdict(c) | {"per_unit": c.per_unit} for c in cs] for tag, cs in results.items()}))
         return 0
-    codebook = {name: cb for cb, name in instantiations()}
+    codebook = codebooks()
     print(f"{'source':28} {'kernel':32} {'codebook':8} {'loop':>5} {'units':>6} {'/unit':>7} {'unit':5}  top opcodes")
     for tag, cs in results.items():
         for c in cs:

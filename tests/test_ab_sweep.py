@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from corpus_fixture import build_corpus, fake_provenance
 from test_bench_report import REPO
 
 SCRIPT = REPO / "bench" / "ab_sweep_on_device.sh"
@@ -68,13 +69,13 @@ def test_the_sweep_takes_the_gpus_it_is_given(tmp_path):
     assert (out / "swept").read_text().split()[4:] == ["0,1", "/tmp/sw/corpus"]
 
 
-def test_a_kept_source_the_committed_corpus_holds_is_not_swept_again(tmp_path):
-    """The baseline wins and its digest (the installed package's source, as on the device) is the committed corpus's."""
-    from gemv_dispatch.kernels import program
-    shards = tmp_path / "tree" / "corpus" / "some-gpu" / "shards"
-    shards.mkdir(parents=True)
-    (shards / "a.jsonl").write_text(f'{{"kernel_digest":"{program.digest()}"}}\n')
-    result, tree, out = call(tmp_path, [f"v36-{f}-h200" for f in ("kpar", "wide")], 1)
+@pytest.mark.parametrize("digest", [None, "0" * 64])
+def test_a_kept_source_the_committed_corpus_holds_is_not_swept_again(tmp_path, digest):
+    """The baseline wins; the committed corpus (GPU_SLUG's folder) was swept with its digest (the installed package's
+    source, as on the device), or, the negative control, with another one."""
+    folder = build_corpus(tmp_path / "tree" / "corpus", fake_provenance(kernel_digest=digest), codebooks=["Q4_0"])
+    result, tree, out = call(tmp_path, [f"v36-{f}-h200" for f in ("kpar", "wide")], 1, GPU_SLUG=folder.name)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "is the committed corpus's: no sweep" in result.stdout and not (out / "swept").exists()
+    assert ("is the committed corpus's: no sweep" in result.stdout) == (digest is None)
+    assert (out / "swept").exists() == (digest is not None)
     assert (tree / "source").read_text() == ""  # reverted all the same
