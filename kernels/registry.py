@@ -77,8 +77,9 @@ def mma_row_tiles(m: int) -> int:
 
 def ring_engine(codebook: str) -> bool:
     """Whether the tensor-core engine streams this codebook through its shared-memory ring (gemv.cu's Traits::RING:
-    the legacy formats), else holds it in registers."""
-    return not get(codebook).superblock
+    the formats whose blocks own their payload rows or share them in pairs, all but Q6_K), else holds it in
+    registers (Q6_K, whose quads of blocks share theirs)."""
+    return get(codebook).nibble_run <= BLOCK
 
 
 def weights_as_a(codebook: str, m: int, mma_tiles: int) -> bool:

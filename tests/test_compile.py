@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 from gemv_dispatch.kernels import launch, program, registry
-from gemv_dispatch.kernels.codebooks import CODEBOOKS
+from gemv_dispatch.kernels.codebooks import CODEBOOKS, IQ4_NL_KVALUES, get
 from gemv_dispatch.kernels.ptxas import compile_report, parse_report, source_name
 from gemv_dispatch.kernels.registry import instantiations
 
@@ -148,3 +148,21 @@ def test_the_codebook_enum_numbers_the_formats_as_the_registry_does():
     pairs = [item.split("=") for item in enum.group(1).split(",")]
     assert [(name.strip(), int(value)) for name, value in pairs] == [(name, i) for i, name in enumerate(CODEBOOKS)]
     assert {name: i for i, name in enumerate(CODEBOOKS)} == registry.CODEBOOK_IDS
+
+
+def test_the_sub_block_record_is_the_codebooks_sc_field():
+    """gemv.cu's Traits::SUB_BYTES (the ring stages and the kernels address super-block records by it) is the size
+    of each format's GGUF `sc` field."""
+    chain = re.search(r"int SUB_BYTES = ([^;]*);", program.source())
+    assert chain is not None and chain.group(1).endswith(": 0")
+    sizes = {name: int(size) for names, size in re.findall(r"((?:CB == \w+(?: \|\| )?)+) \? (\d+)", chain.group(1))
+             for name in re.findall(r"CB == (\w+)", names)}
+    assert sizes == {book.name: dict(book.layout)["sc"] for book in map(get, CODEBOOKS) if book.superblock}
+
+
+def test_the_lookup_table_words_are_the_codebooks_kvalues():
+    """gemv.cu's IQ4NL_i words hold kvalues i..i+3 little-endian, as kernels.codebooks.IQ4_NL_KVALUES lists them."""
+    words = dict(re.findall(r"IQ4NL_(\d+) = (0x[0-9A-F]+)u", program.source()))
+    assert sorted(map(int, words)) == [0, 4, 8, 12]
+    table = b"".join(int(words[str(i)], 16).to_bytes(4, "little") for i in (0, 4, 8, 12))
+    assert tuple(int.from_bytes([b], signed=True) for b in table) == IQ4_NL_KVALUES

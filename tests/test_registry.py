@@ -139,10 +139,11 @@ def test_mma_row_tiles_follow_m():
 
 def test_the_ring_takes_the_weights_as_a_at_m_up_to_8_in_tile_pairs():
     """gemv.cu's Traits::RING (a static_assert there refuses a swapped launch of another codebook, so the compile
-    check fails if the registry names one) is the legacy formats."""
-    assert [cb for cb in CODEBOOKS if ring_engine(cb)] == ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL"]
+    check fails if the registry names one) is every codebook but Q6_K."""
+    assert [cb for cb in CODEBOOKS if not ring_engine(cb)] == ["Q6_K"]
     pair = by_id("wide.s1.t128.mma2")
     assert [pair.kernel_name("Q4_0", m).endswith(", true>") for m in (1, 8, 9, 16)] == [True, True, False, False]
     assert pair.kernel_name("Q8_0", 4).endswith(", true>")
-    assert not pair.kernel_name("Q4_K", 4).endswith(", true>")  # the register engine
+    assert pair.kernel_name("Q4_K", 4).endswith(", true>") and pair.kernel_name("IQ4_XS", 4).endswith(", true>")
+    assert not pair.kernel_name("Q6_K", 4).endswith(", true>")  # the register engine
     assert not by_id("wide.s1.t256.mma1").kernel_name("Q4_0", 4).endswith(", true>")  # one tile: no pair

@@ -47,14 +47,16 @@ struct Traits {
     static constexpr int OFFSET = CB == Q4_0 ? 8 : (CB == Q5_0 ? 16 : 0);      // code = stored value - OFFSET
     static constexpr int HALVES = CB == Q6_K ? 2 : 1;                          // scales per block
     // Blocks whose sub-block scales a column holds at once (SubScales: Q4_K/Q5_K 12 bytes, IQ4_XS 6, Q6_K the 8
-    // of a quad) and the words they take.
+    // of a quad).
     static constexpr int SPAN = CB == Q6_K ? 4 : 8;
-    static constexpr int SUB_WORDS = CB == Q4_K || CB == Q5_K ? 3 : 2;
+    // A super-block column's sub-block scale record (the GGUF sc bytes; 0: no super-blocks).
+    static constexpr int SUB_BYTES = CB == IQ4_XS ? 6 : CB == Q6_K ? 16 : CB == Q4_K || CB == Q5_K ? 12 : 0;
     // Columns a dp4a thread decodes at once: a paired format's group holds 2-4 payload rows (and Q5_K the
     // super-block's 8 qh words) per column, so those walk their CPT columns one (Q6_K) or two at a time.
     static constexpr int COLUMNS = CB == Q6_K ? 1 : (GROUP > 1 ? 2 : 16);
-    // The tensor-core engine streams the legacy formats through a shared-memory ring (mma_ring), else registers.
-    static constexpr bool RING = !SUPER;
+    // The tensor-core engine streams the formats whose blocks own their payload rows (the legacy ones and IQ4_XS)
+    // and Q4_K, Q5_K (pairs of blocks share rows) through a shared-memory ring (mma_ring), else registers (Q6_K).
+    static constexpr bool RING = GROUP <= 2;
 };
 
 #ifndef GEMV_HOSTSIM
@@ -125,6 +127,10 @@ inline float half_bits_to_float(u16 h) { return hostsim_half_to_float(h); }
 inline float sub_rn(float a, float b) { return canonical(a - b); }
 #endif
 
+// A constant x as a per-thread value (threadIdx.x < 1024, so the added shift is 0): ptxas keeps it in a register,
+// where it re-makes a constant from a uniform register before every use that needs one (a PRMT's first source).
+__device__ __forceinline__ u32 held(u32 x) { return x + (threadIdx.x >> 10); }
+
 // An exact small integer (a sub-block scale) as float: cvt.rn.f32.s32 has no flushing variant to fear.
 __device__ __forceinline__ float int_to_float(int i) { return (float)i; }
 
@@ -150,8 +156,10 @@ __device__ __forceinline__ u32 high_bits_to_bytes(u32 h) { return ((h & 0xFu) * 
 // halves (__byte_perm would clear bit 3 of every selector again: one more instruction per call).
 // The values of payload word k in its nibbles' order: r[0] = elements 4k, 16+4k, 4k+1, 17+4k; r[1] = 4k+2, 18+4k,
 // 4k+3, 19+4k (SELECTOR_ORDER pairs them with activations staged in that order).
+// IQ4NL_i: kvalues i..i+3.
+constexpr u32 IQ4NL_0 = 0xBFAD9881u, IQ4NL_4 = 0xF6EADDCFu, IQ4NL_8 = 0x26190D01u, IQ4NL_12 = 0x71594535u;
 __device__ __forceinline__ void iq4nl_pairs(u32 w, u32 (&r)[2]) {
-    const u32 t0 = 0xBFAD9881u, t1 = 0xF6EADDCFu, t2 = 0x26190D01u, t3 = 0x71594535u;
+    const u32 t0 = held(IQ4NL_0), t1 = IQ4NL_4, t2 = held(IQ4NL_8), t3 = IQ4NL_12;
     const u32 second = w & 0x77777777u;
     const u32 pick = ((w >> 1) & 0x44444444u) | 0x32103210u;
 #pragma unroll
@@ -168,21 +176,41 @@ __device__ __forceinline__ void iq4nl_lookup(u32 w, u32& lo, u32& hi) {
     hi = prmt(r[0], r[1], 0x7531u);  // values of elements 16+4k..16+4k+3
 }
 
+// The values of payload word k as two addends in iq4nl_pairs' order, with no pick between the table's halves: low
+// holds kvalue n of nibbles n < 8 and -1 for the others (kvalues 0..7 are negative, so prmt's sign fill gives -1),
+// high holds kvalue n + 1 of nibbles n >= 8 and 0 for the others (bit 3 flipped: kvalues 8..15 plus 1 are positive,
+// their sign fill 0). Their sum is the kvalue, so a block's dot product takes a dp4a of each (4 prmt, 3 shifts or
+// flips and 4 dp4a a word, where iq4nl_pairs' pick costs 6 prmt, 7 others and 2 dp4a).
+__device__ __forceinline__ void iq4nl_addends(u32 w, u32 (&low)[2], u32 (&high)[2]) {
+    const u32 l0 = held(IQ4NL_0), h0 = held(IQ4NL_8 + 0x01010101u), h1 = IQ4NL_12 + 0x01010101u;  // no byte carries
+    const u32 flip = w ^ 0x88888888u;
+    low[0] = prmt(l0, IQ4NL_4, w), low[1] = prmt(l0, IQ4NL_4, w >> 16);
+    high[0] = prmt(h0, h1, flip), high[1] = prmt(h0, h1, flip >> 16);
+}
+
 // The lookup codebooks' staged activations (gemv_staged) in iq4nl_pairs' order: a block's words k = 0..3 of each
 // half (q0[k]: elements 4k.., q1[k]: 16+4k..) become words 2k, 2k+1 of elements 4k, 16+4k, 4k+1, 17+4k and 4k+2,
 // 18+4k, 4k+3, 19+4k. A block's dot product is an integer sum, so any order of its terms gives its bytes; staged
 // once per CTA, the order spares every column's decode two prmt per word.
-__device__ __forceinline__ void to_selector_order(int4& q0, int4& q1) {
-    const u32 a[4] = {(u32)q0.x, (u32)q0.y, (u32)q0.z, (u32)q0.w}, b[4] = {(u32)q1.x, (u32)q1.y, (u32)q1.z, (u32)q1.w};
-    u32 r[8];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) r[2 * k] = prmt(a[k], b[k], 0x5140u), r[2 * k + 1] = prmt(a[k], b[k], 0x7362u);
-    q0 = make_int4((int)r[0], (int)r[1], (int)r[2], (int)r[3]);
-    q1 = make_int4((int)r[4], (int)r[5], (int)r[6], (int)r[7]);
+// Words k of the two halves (elements 4k.. and 16+4k..) in that order, in place: the ring's fragments (k = t).
+__device__ __forceinline__ void to_selector_pair(int& lo, int& hi) {
+    const u32 a = (u32)lo, b = (u32)hi;
+    lo = (int)prmt(a, b, 0x5140u), hi = (int)prmt(a, b, 0x7362u);
 }
 
-// Four unsigned 6-bit codes (one per byte) minus 32, as int8 bytes: flipping bit 5 gives the 6-bit two's
-// complement of u - 32, which the multiply by 6 sign-extends into bits 6 and 7 (0x20 * 6 = 0xC0, no carry).
+__device__ __forceinline__ void to_selector_order(int4& q0, int4& q1) {
+    int r[8] = {q0.x, q1.x, q0.y, q1.y, q0.z, q1.z, q0.w, q1.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) to_selector_pair(r[2 * k], r[2 * k + 1]);
+    q0 = make_int4(r[0], r[1], r[2], r[3]);
+    q1 = make_int4(r[4], r[5], r[6], r[7]);
+}
+
+// Four unsigned 6-bit codes (one per byte) minus Q6_K_OFFSET, as int8 bytes: flipping bit 5 gives the 6-bit two's
+// complement of u - 32, which the multiply by 6 sign-extends into bits 6 and 7 (0x20 * 6 = 0xC0, no carry). The mma
+// engine centres its B words so; the dp4a engine takes the codes (0..63, the same as int8) and starts each half's
+// chain 32 times the half's activation sum lower, 4 dp4a per block and row where centring cost 4 instructions a word.
+constexpr int Q6_K_OFFSET = 32;
 __device__ __forceinline__ u32 centre6(u32 u) {
     const u32 y = u ^ 0x20202020u;
     return y | ((y & 0x20202020u) * 6u);
@@ -211,12 +239,13 @@ __device__ __forceinline__ void decode_word(u32 w, u32 w_hi, u32 high, int k, in
 // Word k of block u of a group, for the paired formats: `w0`, `w1` are word k of the two payload rows that hold
 // the block's elements 0..15 and 16..31; `h0`, `h1` the code bits above the nibble for those elements, already in
 // place (bit 4, and bit 5 for Q6_K) of each byte. Q4_K/Q5_K block u takes nibble u of rows 0, 1 of the pair;
-// Q6_K block u nibble u/2 of rows 2(u%2), 2(u%2)+1 of the quad.
-template <int CB>
+// Q6_K block u nibble u/2 of rows 2(u%2), 2(u%2)+1 of the quad, its codes centred (minus 32) unless RAW6 (the dp4a
+// engine takes the 6-bit codes as they are: see Q6_K_OFFSET).
+template <int CB, bool RAW6 = false>
 __device__ __forceinline__ void decode_paired(u32 w0, u32 w1, u32 h0, u32 h1, int u, int& lo, int& hi) {
     const int shift = CB == Q6_K ? 4 * (u >> 1) : 4 * u;
     u32 l = ((w0 >> shift) & 0x0F0F0F0Fu) | h0, h = ((w1 >> shift) & 0x0F0F0F0Fu) | h1;
-    if (CB == Q6_K) l = centre6(l), h = centre6(h);
+    if (CB == Q6_K && !RAW6) l = centre6(l), h = centre6(h);
     lo = (int)l, hi = (int)h;
 }
 
@@ -230,9 +259,14 @@ __device__ __forceinline__ u32 q6k_high(u32 qh, int u) { return ((qh >> (2 * u))
 struct SubScales {
     u32 w[4];
 
-    // Q4_K/Q5_K (GGUF get_scale_min): 6-bit scale and min of block j.
+    // Q4_K/Q5_K (GGUF get_scale_min): 6-bit scale and min of block j. UNPACKED (k6_unpacked): byte j of w[0..1]
+    // is the scale of block j, of w[2..3] its min, so block j costs a select, a shift and a mask each.
+    template <bool UNPACKED>
     __device__ __forceinline__ void k6(int j, int& scale, int& min) const {
-        if (j < 4) {
+        if (UNPACKED) {
+            const int s = 8 * (j & 3);
+            scale = (int)(((j & 4 ? w[1] : w[0]) >> s) & 0xFFu), min = (int)(((j & 4 ? w[3] : w[2]) >> s) & 0xFFu);
+        } else if (j < 4) {
             scale = (w[0] >> (8 * j)) & 63, min = (w[1] >> (8 * j)) & 63;
         } else {
             const int s = 8 * (j - 4);
@@ -240,6 +274,15 @@ struct SubScales {
             scale = (md & 0xF) | (((w[0] >> (s + 6)) & 3) << 4);
             min = (md >> 4) | (((w[1] >> (s + 6)) & 3) << 4);
         }
+    }
+    // The 12 packed bytes (w[0..2]) as k6<true> reads them, for all 8 blocks at once: bytes 0-3 hold scales (and
+    // mins, in bytes 4-7) 0-3 in their low 6 bits and the top 2 bits of 4-7, whose low 4 bits are bytes 8-11's nibbles.
+    // The dp4a engine unpacks once per super-block; the register engine, holding two columns per tile, keeps 12
+    // bytes (unpacked, a kpar kernel of it spilled).
+    __device__ __forceinline__ SubScales k6_unpacked() const {
+        const u32 a = w[0], b = w[1], c = w[2];
+        return SubScales{{a & 0x3F3F3F3Fu, (c & 0x0F0F0F0Fu) | ((a >> 2) & 0x30303030u), b & 0x3F3F3F3Fu,
+                          ((c >> 4) & 0x0F0F0F0Fu) | ((b >> 2) & 0x30303030u)}};
     }
     // IQ4_XS: w[0] = scales_h (16 bits), w[1] = scales_l (32 bits); the 6-bit scale minus 32 of block j.
     __device__ __forceinline__ int xs(int j) const {
@@ -252,28 +295,37 @@ struct SubScales {
     }
 };
 
-// Column `col` of super-block `sb` (at = sb * N + col): the sub-block scale bytes of block b0's span. Q4_K/Q5_K
-// (12 bytes) and Q6_K (8 of 16 per quad) sit on 4-byte (8-byte) boundaries; IQ4_XS (6 bytes) on 2-byte ones.
-template <int CB>
-__device__ __forceinline__ SubScales load_sub(const unsigned char* __restrict__ sub, u64 at, int b0) {
+// The sub-block scale record at `p` of IQ4_XS (6 bytes: scales_h, scales_l, on 2-byte boundaries) or Q4_K/Q5_K
+// (12, on 4-byte ones), each word read by `read`: __ldg from the planes, a plain load from the ring's copy.
+template <int CB, typename Read>
+__device__ __forceinline__ SubScales sub_record(const unsigned char* p, Read read) {
     SubScales s{{0u, 0u, 0u, 0u}};
-    if (CB == Q6_K) {
-        const uint2 x = __ldg(reinterpret_cast<const uint2*>(sub + at * 16) + ((b0 >> 2) & 1));
-        s.w[0] = x.x, s.w[1] = x.y;
-    } else if (CB == IQ4_XS) {
-        const u16* p = reinterpret_cast<const u16*>(sub + at * 6);
-        s.w[0] = __ldg(p);
-        s.w[1] = (u32)__ldg(p + 1) | ((u32)__ldg(p + 2) << 16);
+    if (CB == IQ4_XS) {
+        const u16* h = reinterpret_cast<const u16*>(p);
+        s.w[0] = read(h), s.w[1] = (u32)read(h + 1) | ((u32)read(h + 2) << 16);
     } else {
-        const u32* p = reinterpret_cast<const u32*>(sub + at * 12);
-        s.w[0] = __ldg(p), s.w[1] = __ldg(p + 1), s.w[2] = __ldg(p + 2);
+        const u32* w = reinterpret_cast<const u32*>(p);
+        s.w[0] = read(w), s.w[1] = read(w + 1), s.w[2] = read(w + 2);
     }
     return s;
 }
 
-// Block j's derived scales (one per half) and min from the super-block's d, dmin and sub-block scales:
-// d_w = d * sc (Q6_K: per half), m_w = -(dmin * m), each an exact fp32 product (§2).
+// Column `col` of super-block `sb` (at = sb * N + col): the sub-block scale bytes of block b0's span (Q6_K: 8 of
+// its 16 per quad, on 8-byte boundaries).
 template <int CB>
+__device__ __forceinline__ SubScales load_sub(const unsigned char* __restrict__ sub, u64 at, int b0) {
+    const unsigned char* p = sub + at * Traits<CB>::SUB_BYTES;
+    if (CB == Q6_K) {
+        const uint2 x = __ldg(reinterpret_cast<const uint2*>(p) + ((b0 >> 2) & 1));
+        return SubScales{{x.x, x.y, 0u, 0u}};
+    }
+    return sub_record<CB>(p, [](const auto* q) { return __ldg(q); });
+}
+
+// Block j's derived scales (one per half) and min from the super-block's d, dmin and sub-block scales:
+// d_w = d * sc (Q6_K: per half), m_w = -(dmin * m), each an exact fp32 product (§2). UNPACKED: Q4_K/Q5_K's
+// sub-block scales as SubScales::k6_unpacked holds them.
+template <int CB, bool UNPACKED>
 __device__ __forceinline__ void derive(float d, float dmin, const SubScales& s, int j,
                                        float (&d_w)[Traits<CB>::HALVES], float& m_w) {
     if (CB == Q6_K) {
@@ -283,7 +335,7 @@ __device__ __forceinline__ void derive(float d, float dmin, const SubScales& s, 
         d_w[0] = mul_rn(d, int_to_float(s.xs(j)));
     } else {
         int sc, m;
-        s.k6(j, sc, m);
+        s.template k6<UNPACKED>(j, sc, m);
         d_w[0] = mul_rn(d, int_to_float(sc));
         m_w = negate(mul_rn(dmin, int_to_float(m)));
     }
@@ -436,24 +488,30 @@ __device__ __forceinline__ void fold_last(float* __restrict__ ws, float* __restr
 // loop's loads in registers, the ring holds its in shared memory.
 constexpr int FOLD_FLOATS_DP4A = 8, FOLD_FLOATS_REGISTERS = 16, FOLD_FLOATS_RING = 32;
 
-// One column's weights for one group of blocks (dp4a engine): the group's payload rows, its high bits, and the
-// scales of its blocks (legacy: read from the planes; super-block formats: derived per block).
-template <int CB>
+// One column's weights for one group of G blocks (dp4a engine): the group's payload rows, its high bits, and the
+// scales of its blocks (legacy: read from the planes; super-block formats: derived per block). G is the format's
+// GROUP (the blocks that share payload rows), or 8 where a thread walks a super-block at a time (the formats whose
+// sub-block scales a column holds whole: SPAN 8).
+template <int CB, int G>
 struct ColumnGroup {
     typedef Traits<CB> T;
+    static_assert(G == T::GROUP || (T::SPAN == 8 && G == 8), "a group shares rows, or is a super-block (not Q6_K's)");
     static constexpr int QH = CB == Q5_K ? 8 : (CB == Q6_K ? 8 : 1);  // Q5_K: the super-block's; Q6_K: the quad's
-    u32 w[T::GROUP][T::WORDS];
+    u32 w[G][T::WORDS];
     u32 qh[QH];
     float d, dmin;  // legacy: the block's scale and min; super-block formats: the super-block's
     SubScales sub;
 
-    // Group `grp` (blocks grp*GROUP ...) of column `col`. Super-block fields are reloaded only when `fresh`
-    // (a new SPAN of blocks).
-    __device__ __forceinline__ void load(const Planes& P, int grp, int col, int N, bool fresh) {
-        const int b0 = grp * T::GROUP;
+    // Group `grp` (blocks grp*G ...) of column `col`. Super-block fields are reloaded only when `fresh` (a new
+    // SPAN of blocks). A super-block group's rows outside [r_begin, r_end), the rows of the partition's blocks
+    // (their pairs or quads whole), load one inside it again (an L1 hit), so a partition that cuts a super-block
+    // reads no other partition's bytes.
+    __device__ __forceinline__ void load(const Planes& P, int grp, int col, int N, bool fresh, int r_begin, int r_end) {
+        const int b0 = grp * G;
 #pragma unroll
-        for (int i = 0; i < T::GROUP; ++i) {
-            const u64 at = (u64)(b0 + i) * N + col;
+        for (int i = 0; i < G; ++i) {
+            const int b = G > T::GROUP ? min(max(b0 + i, r_begin), r_end - 1) : b0 + i;
+            const u64 at = (u64)b * N + col;
 #pragma unroll
             for (int v = 0; v < T::WORDS / 4; ++v) {
                 const uint4 x = __ldg(reinterpret_cast<const uint4*>(P.payload + at * T::WORDS) + v);
@@ -475,6 +533,7 @@ struct ColumnGroup {
             d = half_bits_to_float(__ldg(P.scale + at));
             dmin = T::ASYM ? half_bits_to_float(__ldg(P.minv + at)) : 0.0f;
             sub = load_sub<CB>(P.sub, at, b0);
+            if (CB == Q4_K || CB == Q5_K) sub = sub.k6_unpacked();
             if (CB == Q5_K)
 #pragma unroll
                 for (int i = 0; i < 8; ++i) qh[i] = __ldg(P.high + (u64)(8 * sb + i) * N + col);
@@ -489,29 +548,33 @@ struct ColumnGroup {
             for (int i = 0; i < QH; ++i) qh[i] = first.qh[i];
     }
 
-    // Block u of the group (block b of the matrix): int8 words v[k] = elements 4k..4k+3, its scales and min;
-    // SELECTOR_ORDER (lookup codebooks): v in iq4nl_pairs' order, for activations staged in it (to_selector_order).
-    template <bool SELECTOR_ORDER>
-    __device__ __forceinline__ void block(int u, int b, int (&v)[8], float (&d_w)[T::HALVES], float& m_w) const {
+    // Block u of the group (block b of the matrix): int8 words v[0][k] = elements 4k..4k+3, its scales and min;
+    // SELECTOR_ORDER (lookup codebooks): v[0] and v[1] the two addends of iq4nl_addends in iq4nl_pairs' order, for
+    // activations staged in it (to_selector_order).
+    template <bool SELECTOR_ORDER, bool RAW6>
+    __device__ __forceinline__ void block(int u, int b, int (&v)[1 + SELECTOR_ORDER][8], float (&d_w)[T::HALVES],
+                                          float& m_w) const {
         static_assert(!SELECTOR_ORDER || T::TABLE, "the selector order is the lookup's");
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
             if constexpr (SELECTOR_ORDER) {
-                u32 r[2];
-                iq4nl_pairs(w[0][k], r);
-                v[2 * k] = (int)r[0], v[2 * k + 1] = (int)r[1];
+                u32 low[2], high[2];
+                iq4nl_addends(w[u][k], low, high);
+                v[0][2 * k] = (int)low[0], v[0][2 * k + 1] = (int)low[1];
+                v[1][2 * k] = (int)high[0], v[1][2 * k + 1] = (int)high[1];
             } else if constexpr (T::GROUP == 1) {
-                decode_word<CB>(w[0][k], w[0][CB == Q8_0 ? k + 4 : k], qh[0], k, v[k], v[k + 4]);
+                decode_word<CB>(w[u][k], w[u][CB == Q8_0 ? k + 4 : k], qh[0], k, v[0][k], v[0][k + 4]);
             } else if constexpr (CB == Q6_K) {
                 const int r = 2 * (u & 1);
-                decode_paired<CB>(w[r][k], w[r + 1][k], q6k_high(qh[k], u), q6k_high(qh[4 + k], u), u, v[k], v[k + 4]);
+                decode_paired<CB, RAW6>(w[r][k], w[r + 1][k], q6k_high(qh[k], u), q6k_high(qh[4 + k], u), u, v[0][k],
+                                        v[0][k + 4]);
             } else {
                 const u32 h0 = CB == Q5_K ? q5k_high(qh[k], b & 7) : 0u, h1 = CB == Q5_K ? q5k_high(qh[4 + k], b & 7) : 0u;
-                decode_paired<CB>(w[0][k], w[1][k], h0, h1, u, v[k], v[k + 4]);
+                decode_paired<CB>(w[u & ~1][k], w[u | 1][k], h0, h1, u & 1, v[0][k], v[0][k + 4]);
             }
         }
         if (T::SUPER) {
-            derive<CB>(d, dmin, sub, b & 7, d_w, m_w);
+            derive<CB, true>(d, dmin, sub, b & 7, d_w, m_w);
         } else {
             d_w[0] = d, m_w = dmin;
         }
@@ -549,17 +612,28 @@ template <int CB, int CPT, int MT, bool GRID_SPLIT, bool STAGE>
 __device__ __forceinline__ void dp4a_partial(GEMV_PARAMS) {
     static_assert(!STAGE || MT == 1, "a staged launch computes one row");
     typedef Traits<CB> T;
-    constexpr int G = T::GROUP, H = T::HALVES, CC = T::COLUMNS < CPT ? T::COLUMNS : CPT;
+    // The staged launches of IQ4_XS, Q4_K and Q5_K walk a super-block per group: its payload, d (dmin), sub-block
+    // scales (and Q5_K's qh words) loaded together, each block's scale and high bit at a constant place. Smaller
+    // groups load the fields behind a branch per group, find a block's scale by variable shifts and (batched) copy
+    // the fields from slot to slot. Unstaged, one row's activations ride along with each block (ROW_AHEAD), or
+    // several rows' are loaded at use (a super-block walk took IQ4_XS's from 60-99 registers to 87-124).
+    constexpr bool SUPER_WALK = T::SUPER && T::SPAN == 8 && STAGE;
+    constexpr int G = SUPER_WALK ? 8 : T::GROUP, H = T::HALVES;
+    // Columns a thread decodes at once: Traits::COLUMNS, one for a super-block walk (32 payload words a column).
+    constexpr int CC = SUPER_WALK ? 1 : T::COLUMNS < CPT ? T::COLUMNS : CPT;
     // Loads of several blocks in flight; fewer when the tile already holds many registers. A group of the
-    // paired formats already loads 2 (Q6_K: 4) blocks.
-    constexpr int UNROLL = G == 4 ? 1 : (MT * CC <= 2 ? 4 / G : (MT * CC <= 4 ? 2 / G : 1));
+    // paired formats already loads 2 (Q6_K: 4, a super-block walk 8) blocks.
+    constexpr int UNROLL = G >= 4 ? 1 : (MT * CC <= 2 ? 4 / G : (MT * CC <= 4 ? 2 / G : 1));
     // The loads of a batch of UNROLL groups are issued before the first is used (bench/NOTES.md, versions 13 and 15:
     // a compiler-unrolled loop branched before each group's loads, one DRAM round trip per group). Q5_K batches
-    // only where a thread walks one column at a time (with two, their 8 qh words each spill); IQ4_XS not at all
-    // (its batch measured 1.16-1.49x slower at M = 1: bench/NOTES.md, version 16).
-    constexpr int BATCH = (CB == Q5_K && CC > 1) || CB == IQ4_XS ? 1 : UNROLL;
+    // only where a thread walks one column at a time (with two, their 8 qh words each spill); IQ4_XS's groups of
+    // one block not at all (their batch measured 1.16-1.49x slower at M = 1: bench/NOTES.md, version 16).
+    constexpr int BATCH = (CB == Q5_K && CC > 1) || (CB == IQ4_XS && G == 1) ? 1 : UNROLL;
     constexpr bool ROW_AHEAD = MT == 1 && G == 1 && !STAGE;  // one row, one block per group: its activations ride along
     constexpr bool SELECTOR_ORDER = STAGE && T::TABLE;       // staged in the lookup's order (to_selector_order)
+    // Q6_K's 6-bit codes uncentred (centre6) where a block's decode serves at most two rows: the half sums each row
+    // then needs cost less than the centring they spare.
+    constexpr bool RAW6 = CB == Q6_K && MT <= 2;
     DYNAMIC_SHARED(float, partials);  // direct family: [S-1][MT][blockDim.x*CPT], then (STAGE) the staged blocks
     const Planes P{payload, high, scale, minv, sub};
 
@@ -570,6 +644,8 @@ __device__ __forceinline__ void dp4a_partial(GEMV_PARAMS) {
     const int b_begin = p * width;
     const int b_end = min(KB, b_begin + width);
     const int g_begin = b_begin / G, g_end = (b_end + G - 1) / G;
+    // The payload rows of the partition's blocks: whole pairs (quads) of the paired formats.
+    const int r_begin = b_begin / T::GROUP * T::GROUP, r_end = (b_end + T::GROUP - 1) / T::GROUP * T::GROUP;
     // A group whose super-block fields are (re)loaded: the partition's first, and the first of each SPAN.
     auto starts_span = [&](int grp) { return grp == g_begin || (grp * G) % T::SPAN == 0; };
     const int stage_begin = GRID_SPLIT ? b_begin : 0, staged = (GRID_SPLIT ? b_end : KB) - stage_begin;
@@ -610,8 +686,8 @@ __device__ __forceinline__ void dp4a_partial(GEMV_PARAMS) {
             // The loads of a batch of BATCH groups are issued before any is used. Super-block fields are loaded
             // only into the slot of a SPAN's first group (`fresh`): with one slot they stay in place, with several
             // `carry` takes them at use and hands them to the slots that follow.
-            ColumnGroup<CB> col[BATCH][CC];
-            ColumnGroup<CB> carry[T::SUPER && BATCH > 1 ? CC : 1];
+            ColumnGroup<CB, G> col[BATCH][CC];
+            ColumnGroup<CB, G> carry[T::SUPER && BATCH > 1 ? CC : 1];
             ActivationRow act[ROW_AHEAD ? BATCH : 1];
 #pragma unroll(BATCH == 1 ? UNROLL : 1)
             for (int g0 = g_begin; g0 < g_end; g0 += BATCH) {
@@ -619,7 +695,8 @@ __device__ __forceinline__ void dp4a_partial(GEMV_PARAMS) {
                 for (int i = 0; i < BATCH; ++i) {
                     const int grp = min(g0 + i, g_end - 1);  // past the end: the last block again (an L1 hit)
 #pragma unroll
-                    for (int c = 0; c < CC; ++c) col[i][c].load(P, grp, col0 + c0 + c, N, starts_span(grp));
+                    for (int c = 0; c < CC; ++c)
+                        col[i][c].load(P, grp, col0 + c0 + c, N, starts_span(grp), r_begin, r_end);
                     if (ROW_AHEAD) act[i] = ActivationRow::load(qa, da, sa, (u64)grp * M + m0);
                 }
 #pragma unroll
@@ -635,10 +712,10 @@ __device__ __forceinline__ void dp4a_partial(GEMV_PARAMS) {
                         const int b = grp * G + u;
                         if (G > 1 && (b < b_begin || b >= b_end)) continue;  // uniform: the group's edge
                         // Decode each weight block once per row tile.
-                        int v[CC][8];
+                        int v[CC][1 + SELECTOR_ORDER][8];
                         float dw[CC][H], mw[CC];
 #pragma unroll
-                        for (int c = 0; c < CC; ++c) col[i][c].template block<SELECTOR_ORDER>(u, b, v[c], dw[c], mw[c]);
+                        for (int c = 0; c < CC; ++c) col[i][c].template block<SELECTOR_ORDER, RAW6>(u, b, v[c], dw[c], mw[c]);
 #pragma unroll
                         for (int r = 0; r < MT; ++r) {
                             if (r < rows) {
@@ -646,17 +723,27 @@ __device__ __forceinline__ void dp4a_partial(GEMV_PARAMS) {
                                                       : STAGE ? ActivationRow::staged(stage_q, stage_ds, b - stage_begin)
                                                               : ActivationRow::load(qa, da, sa, (u64)b * M + m0 + r);
                                 const RowBlock<CB> row = RowBlock<CB>::of(x.d_a, x.s_a);
+                                const int xq[8] = {x.q0.x, x.q0.y, x.q0.z, x.q0.w, x.q1.x, x.q1.y, x.q1.z, x.q1.w};
+                                int bias[H];  // each half's chain start; RAW6: MAGIC - 32 * the half's activation sum
+                                if constexpr (RAW6) {
+                                    const int low = __dp4a(0x01010101, xq[3], __dp4a(0x01010101, xq[2],
+                                                    __dp4a(0x01010101, xq[1], __dp4a(0x01010101, xq[0], 0))));
+                                    bias[0] = MAGIC - Q6_K_OFFSET * low, bias[H - 1] = MAGIC - Q6_K_OFFSET * (x.s_a - low);
+                                } else {
+#pragma unroll
+                                    for (int h = 0; h < H; ++h) bias[h] = row.bias;
+                                }
 #pragma unroll
                                 for (int c = 0; c < CC; ++c) {
                                     int s[H];
-                                    s[0] = __dp4a(v[c][0], x.q0.x, row.bias);
-                                    s[0] = __dp4a(v[c][1], x.q0.y, s[0]);
-                                    s[0] = __dp4a(v[c][2], x.q0.z, s[0]);
-                                    s[0] = __dp4a(v[c][3], x.q0.w, s[0]);
-                                    s[H - 1] = __dp4a(v[c][4], x.q1.x, H == 2 ? row.bias : s[0]);  // Q6_K: the high half apart
-                                    s[H - 1] = __dp4a(v[c][5], x.q1.y, s[H - 1]);
-                                    s[H - 1] = __dp4a(v[c][6], x.q1.z, s[H - 1]);
-                                    s[H - 1] = __dp4a(v[c][7], x.q1.w, s[H - 1]);
+#pragma unroll
+                                    for (int k = 0; k < 8; ++k) {
+                                        const int h = k < 4 ? 0 : H - 1;  // Q6_K: the high half apart
+                                        const int in = k == 0 || (H == 2 && k == 4) ? bias[h] : s[h];
+                                        s[h] = __dp4a(v[c][0][k], xq[k], in);
+#pragma unroll
+                                        for (int a = 1; a <= SELECTOR_ORDER; ++a) s[h] = __dp4a(v[c][a][k], xq[k], s[h]);
+                                    }
                                     acc[r][c0 + c] = add_rn(acc[r][c0 + c], row.term(s, dw[c], mw[c]));
                                 }
                             }
@@ -747,50 +834,39 @@ struct TileWords {
     u32 w[Traits<CB>::GROUP], high[2];
 };
 
-// A lane's super-block fields for one tile: fp16 pairs of d (and dmin) of its two C columns, their sub-block
-// scales, and (Q5_K) the qh words of its B column for elements 4t.. and 16+4t...
+// A lane's super-block fields for one tile: fp16 pairs of d (and dmin) of its two C columns and their sub-block
+// scales.
 struct TileSuper {
-    u32 d, dmin, qh[2];
+    u32 d, dmin;
     SubScales sub[2];
 };
 
 template <int CB>
-__device__ __forceinline__ TileSuper load_tile_super(const Planes& P, int b0, int col, int g, int t, int N) {
+__device__ __forceinline__ TileSuper load_tile_super(const Planes& P, int b0, int col, int t, int N) {
     TileSuper s;
-    const int sb = b0 >> 3;
-    const u64 at = block_index(sb, N, col + 2 * t);  // C column 2t of the tile; N even: the pairs are aligned
+    const u64 at = block_index(b0 >> 3, N, col + 2 * t);  // C column 2t of the tile; N even: the pairs are aligned
     s.d = __ldg(reinterpret_cast<const u32*>(P.scale + at));
     s.dmin = Traits<CB>::ASYM ? __ldg(reinterpret_cast<const u32*>(P.minv + at)) : 0u;
-    if (CB == IQ4_XS) {  // 12 bytes for the two columns, 4-byte aligned: scales_h, scales_l of each
-        const u32* p = reinterpret_cast<const u32*>(P.sub + at * 6);
-        const u32 w0 = __ldg(p), w1 = __ldg(p + 1), w2 = __ldg(p + 2);
-        s.sub[0] = SubScales{{w0 & 0xFFFFu, (w0 >> 16) | (w1 << 16), 0u, 0u}};
-        s.sub[1] = SubScales{{w1 >> 16, w2, 0u, 0u}};
-    } else {
-        s.sub[0] = load_sub<CB>(P.sub, at, b0);
-        s.sub[1] = load_sub<CB>(P.sub, at + 1, b0);
-    }
-    s.qh[0] = s.qh[1] = 0u;
-    if (CB == Q5_K) {
-        s.qh[0] = __ldg(P.high + (u64)block_index(8 * sb + t, N, col + g));
-        s.qh[1] = __ldg(P.high + (u64)block_index(8 * sb + 4 + t, N, col + g));
-    }
+    s.sub[0] = load_sub<CB>(P.sub, at, b0);
+    s.sub[1] = load_sub<CB>(P.sub, at + 1, b0);
     return s;
 }
 
-// One block's contribution to one 8-output tile of a warp, both engines: the mma (two for Q6_K's halves) of each
-// M tile with the tile's decoded B words `lo`, `hi`, then the terms of the lane's C values in the contract's
+// One block's contribution to one 8-output tile of a warp, both engines: the mma (two for Q6_K's halves) of each M tile
+// with the tile's decoded B words `b[0]` (elements 4t.., 16+4t..; the lookup codebooks' ring: X = 2 addends in selector
+// order, an mma each, its A fragments in that order too), then the terms of the lane's C values in the contract's
 // order. `a`, `rows`: the A fragments and row data of the lane's C rows g and g+8 of each M tile; the pass starts at
 // row m0 of M (8-row halves past M are skipped: warp-uniform). The ring passes m0 = 0 and M = the rows left, a
 // compile-time constant in its whole chunks, so a block's instructions carry no branch and interleave with the next
-// block's. BIAS_C: the mma starts from the rows' biases (no add per term); the register engine adds them after:
-// holding them across its mma took its Q8_0 kernels (then on that engine) from 64 to 71 registers, and a build at
-// 71 ran up to 1.3x slower (bench/NOTES.md, version 16).
-template <int CB, int MTILES, bool BIAS_C>
-__device__ __forceinline__ void mma_tile(const int (&a)[MTILES][4], const RowBlock<CB> (&rows)[MTILES][2], int lo,
-                                         int hi, const float (&d_w)[2][Traits<CB>::HALVES], const float (&m_w)[2],
-                                         int m0, int M, float (&acc)[MTILES][4]) {
+// block's. BIAS_C: the mma starts from the rows' biases (no add per term); the register engine adds them after: holding
+// them across its mma took its Q8_0 kernels (then on that engine) from 64 to 71 registers, and a build at 71 ran up to
+// 1.3x slower (bench/NOTES.md, version 16).
+template <int CB, int MTILES, bool BIAS_C, int X>
+__device__ __forceinline__ void mma_tile(const int (&a)[MTILES][4], const RowBlock<CB> (&rows)[MTILES][2],
+                                         const int (&b)[X][2], const float (&d_w)[2][Traits<CB>::HALVES],
+                                         const float (&m_w)[2], int m0, int M, float (&acc)[MTILES][4]) {
     constexpr int H = Traits<CB>::HALVES;
+    static_assert(H == 1 || X == 1, "a Q6_K block's halves take one B word each");
 #pragma unroll
     for (int i = 0; i < MTILES; ++i) {
         if (m0 + 16 * i >= M) break;
@@ -798,10 +874,12 @@ __device__ __forceinline__ void mma_tile(const int (&a)[MTILES][4], const RowBlo
         const int c0 = BIAS_C ? rows[i][0].bias : 0, c1 = BIAS_C ? rows[i][1].bias : 0;
         const int c_in[4] = {c0, c0, c1, c1};  // C rows g, g+8
         if (H == 2) {
-            mma_s8(a[i], lo, 0, c_in, c[0]);
-            mma_s8(a[i], 0, hi, c_in, c[H - 1]);
+            mma_s8(a[i], b[0][0], 0, c_in, c[0]);
+            mma_s8(a[i], 0, b[0][1], c_in, c[H - 1]);
         } else {
-            mma_s8(a[i], lo, hi, c_in, c[0]);
+            mma_s8(a[i], b[0][0], b[0][1], c_in, c[0]);
+#pragma unroll
+            for (int x = 1; x < X; ++x) mma_s8(a[i], b[x][0], b[x][1], c[0], c[0]);  // the lookup's second addend
         }
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -849,17 +927,18 @@ __device__ __forceinline__ void zero(float (&acc)[NT][MTILES][4]) {
             for (int e = 0; e < 4; ++e) acc[j][i][e] = 0.0f;
 }
 
-// Register engine (the super-block formats): a warp owns 8*NT consecutive outputs (N % 8 == 0, so a tile is wholly
-// in or out) and M tiles of 16*MTILES rows. Weights of DEPTH groups are loaded before any is used: 32 registers of
-// loads in flight per lane keep HBM busy. No barriers, so a warp past N returns (to the fold of gemv_mma).
+// Register engine (Q6_K, whose quads of blocks share their payload rows): a warp owns 8*NT
+// consecutive outputs (N % 8 == 0, so a tile is wholly in or out) and M tiles of 16*MTILES rows. Weights of DEPTH
+// groups are loaded before any is used: 32 registers of loads in flight per lane keep HBM busy. No barriers, so a
+// warp past N returns (to the fold of gemv_mma).
 template <int CB, int NT, int MTILES, bool GRID_SPLIT>
 __device__ __forceinline__ void mma_registers(GEMV_PARAMS) {
     typedef Traits<CB> T;
-    static_assert(T::SUPER, "the legacy formats take the ring");
+    static_assert(!T::RING, "the ring codebooks take the ring");
     constexpr int G = T::GROUP, H = T::HALVES;
     constexpr int LANE_WORDS = G + 2 * (CB == Q6_K);
-    // Super-block fields held per tile (TileSuper): d, dmin, Q5_K's qh words and two columns' sub-block scales.
-    constexpr int SUPER_WORDS = 1 + T::ASYM + 2 * (CB == Q5_K) + 2 * T::SUB_WORDS;
+    // Super-block fields held per tile (TileSuper): d and two columns' sub-block scales (Q6_K: 8 bytes each).
+    constexpr int SUPER_WORDS = 1 + T::ASYM + 2 * 2;
     constexpr int BUDGET = 32 - NT * SUPER_WORDS;  // registers of loads in flight per lane
     constexpr int DEPTH = BUDGET / (NT * LANE_WORDS) > 1 ? BUDGET / (NT * LANE_WORDS) : 1;
     const Planes P{payload, high, scale, minv, sub};
@@ -907,7 +986,7 @@ __device__ __forceinline__ void mma_registers(GEMV_PARAMS) {
                 if (grp == g_begin || (grp * G) % T::SPAN == 0)
 #pragma unroll
                     for (int j = 0; j < NT; ++j)
-                        if (j < tiles) sup[j] = load_tile_super<CB>(P, grp * G, n_warp + 8 * j, g, t, N);
+                        if (j < tiles) sup[j] = load_tile_super<CB>(P, grp * G, n_warp + 8 * j, t, N);
 #pragma unroll
                 for (int ub = 0; ub < G; ++ub) {
                     const int b = grp * G + ub;
@@ -935,23 +1014,16 @@ __device__ __forceinline__ void mma_registers(GEMV_PARAMS) {
                         const TileWords<CB>& x = tw[u][j];
                         int lo, hi;
                         float d_w[2][H], m_w[2] = {0.0f, 0.0f};
-                        if constexpr (G == 1) {  // IQ4_XS
-                            decode_word<CB>(x.w[0], 0u, 0u, t, lo, hi);
-                        } else if constexpr (CB == Q6_K) {
-                            const int r = 2 * (ub & 1);
-                            decode_paired<CB>(x.w[r], x.w[r + 1], q6k_high(x.high[0], ub), q6k_high(x.high[1], ub),
-                                              ub, lo, hi);
-                        } else {
-                            const u32 h0 = CB == Q5_K ? q5k_high(sup[j].qh[0], b & 7) : 0u;
-                            const u32 h1 = CB == Q5_K ? q5k_high(sup[j].qh[1], b & 7) : 0u;
-                            decode_paired<CB>(x.w[0], x.w[1], h0, h1, ub, lo, hi);
-                        }
+                        const int r = 2 * (ub & 1);  // Q6_K: the quad's rows of block ub
+                        decode_paired<CB>(x.w[r], x.w[r + 1], q6k_high(x.high[0], ub), q6k_high(x.high[1], ub), ub, lo,
+                                          hi);
 #pragma unroll
                         for (int e = 0; e < 2; ++e)
-                            derive<CB>(half_bits_to_float((u16)(sup[j].d >> (16 * e))),
-                                       half_bits_to_float((u16)(sup[j].dmin >> (16 * e))), sup[j].sub[e], b & 7, d_w[e],
-                                       m_w[e]);
-                        mma_tile<CB, MTILES, false>(a, rows, lo, hi, d_w, m_w, m0, M, acc[j]);
+                            derive<CB, false>(half_bits_to_float((u16)(sup[j].d >> (16 * e))),
+                                              half_bits_to_float((u16)(sup[j].dmin >> (16 * e))), sup[j].sub[e], b & 7,
+                                              d_w[e], m_w[e]);
+                        const int b[1][2] = {{lo, hi}};
+                        mma_tile<CB, MTILES, false>(a, rows, b, d_w, m_w, m0, M, acc[j]);
                     }
                 }
             }
@@ -964,8 +1036,11 @@ __device__ __forceinline__ void mma_registers(GEMV_PARAMS) {
 // ring of K chunks, so bytes stay in flight while the warps compute, at no register cost. A CTA is THREADS / 32
 // warps, 8*NT outputs each; a chunk holds KC blocks of the CTA's payload, scales (mins, high bits) and the pass's
 // activation rows, padded to 48 bytes so the fragment loads are conflict-free, and their (d_a, sum_a) pairs. Rows
-// past M and outputs past N are zero-filled by the copy itself (src-size 0). One barrier per chunk; every loop has a compile-time trip
-// count. Legacy formats only (Traits::RING); Q8_0's 32-byte payload rows are two 16-byte pieces (ring_weights).
+// past M and outputs past N are zero-filled by the copy itself (src-size 0). One barrier per chunk; every loop has a
+// compile-time trip count. Codebooks: Traits::RING. Q8_0's 32-byte payload rows are two 16-byte pieces
+// (ring_weights); Q4_K's chunks start on a pair of blocks, which shares its rows; the super-block formats stage
+// their super-blocks' d (dmin) and sub-block scales, and a pass behind a second barrier derives each block's scale
+// (min) once per chunk (ring_derive).
 // The copies take the ring's address in the shared state space (bytes), made once per CTA: converting a generic
 // pointer per copy cost the chunk's issue ~2 instructions a piece. The host simulator addresses bytes directly.
 #ifndef GEMV_HOSTSIM
@@ -1005,9 +1080,16 @@ struct Chunk {
     typedef Traits<CB> T;
     static constexpr int KC = KC_, OUT = THREADS / 32 * 8 * NT, ROWS = ROWS_;
     static constexpr int PAY = KC * OUT * T::WORDS;
-    static constexpr int SCALE = KC * OUT / 2, MIN = T::ASYM ? SCALE : 0, HIGH = T::HIGH ? KC * OUT : 0;
+    // Super-block formats (whose chunks start on a multiple of KC, which divides 8: a chunk lies in one super-block):
+    // the super-block's fp16 d (dmin), sub-scale bytes (6 or 12) and Q5_K's 8 qh words of every output, and the
+    // blocks' d_w (m_w) that ring_derive makes of them (DW, MW floats); the legacy formats: an fp16 scale (and min,
+    // high-bit word) per block and output.
+    static constexpr int SCALE = T::SUPER ? OUT / 2 : KC * OUT / 2, SUB = OUT * T::SUB_BYTES / 4;
+    static constexpr int MIN = T::ASYM ? SCALE : 0, HIGH = T::HIGH ? KC * OUT : 0, QH = CB == Q5_K ? 8 * OUT : 0;
+    static constexpr int DW = T::SUPER ? KC * OUT : 0, MW = T::SUPER && T::ASYM ? KC * OUT : 0;
     static constexpr int Q = KC * ROWS * ROW_WORDS, DS = 2 * KC * ROWS;  // a row's (d_a, sum_a): one 8-byte load
-    static constexpr int pay = 0, scale = pay + PAY, min = scale + SCALE, high = min + MIN, q = high + HIGH;
+    static constexpr int pay = 0, scale = pay + PAY, sub = scale + SCALE, min = sub + SUB, high = min + MIN;
+    static constexpr int qh = high + HIGH, dw = qh + QH, mw = dw + DW, q = mw + MW;
     static constexpr int ds = q + Q, words = ds + DS;
 };
 
@@ -1029,13 +1111,59 @@ __device__ __forceinline__ int ring_piece(int o, int h) {
     return Traits<CB>::WORDS == 8 ? h ^ ((o >> 2) & 1) : h;
 }
 
-// Elements 4t.. (lo) and 16+4t.. (hi) of output o's row of block u in a landed chunk, as int8 words.
+// The ring's B (or swapped A) words per block and output: one pair, or the lookup's two addends (iq4nl_addends).
+template <int CB>
+constexpr int RING_ADDENDS = Traits<CB>::TABLE ? 2 : 1;
+
+// Elements 4t.. (w_out[0][0]) and 16+4t.. (w_out[0][1]) of output o's row of block u in a landed chunk, as int8
+// words; the lookup codebooks: payload word t as the two addends of iq4nl_addends (w_out[x], in iq4nl_pairs' order),
+// so the ring puts the activations it pairs them with in that order (to_selector_pair).
+// Q4_K/Q5_K's blocks u and u ^ 1 share their two payload rows (chunks start on a pair): block u takes nibble u & 1,
+// and Q5_K bit j = first + u (its place in the super-block) of the qh words t and 4+t.
 template <int CB, typename C>
-__device__ __forceinline__ void ring_weights(const u32* slot, int u, int o, int t, int& lo, int& hi) {
+__device__ __forceinline__ void ring_weights(const u32* slot, int u, int first, int o, int t,
+                                             int (&w_out)[RING_ADDENDS<CB>][2]) {
     typedef Traits<CB> T;
-    const u32* w = slot + C::pay + (u * C::OUT + o) * T::WORDS + t;
-    const u32 high = T::HIGH ? slot[C::high + u * C::OUT + o] : 0u;
-    decode_word<CB>(w[4 * ring_piece<CB>(o, 0)], T::WORDS == 8 ? w[4 * ring_piece<CB>(o, 1)] : 0u, high, t, lo, hi);
+    int& lo = w_out[0][0];
+    int& hi = w_out[0][1];
+    if constexpr (T::TABLE) {
+        u32 low[2], high[2];
+        iq4nl_addends(slot[C::pay + (u * C::OUT + o) * T::WORDS + t], low, high);
+        w_out[0][0] = (int)low[0], w_out[0][1] = (int)low[1];
+        w_out[RING_ADDENDS<CB> - 1][0] = (int)high[0], w_out[RING_ADDENDS<CB> - 1][1] = (int)high[1];
+    } else if constexpr (T::GROUP == 2) {
+        const u32* w = slot + C::pay + o * T::WORDS + t;
+        const u32* qh = slot + C::qh + t * C::OUT + o;
+        const u32 h0 = CB == Q5_K ? q5k_high(qh[0], first + u) : 0u;
+        const u32 h1 = CB == Q5_K ? q5k_high(qh[4 * C::OUT], first + u) : 0u;
+        decode_paired<CB>(w[(u & ~1) * C::OUT * T::WORDS], w[(u | 1) * C::OUT * T::WORDS], h0, h1, u & 1, lo, hi);
+    } else {
+        const u32* w = slot + C::pay + (u * C::OUT + o) * T::WORDS + t;
+        const u32 high = T::HIGH ? slot[C::high + u * C::OUT + o] : 0u;
+        decode_word<CB>(w[4 * ring_piece<CB>(o, 0)], T::WORDS == 8 ? w[4 * ring_piece<CB>(o, 1)] : 0u, high, t, lo, hi);
+    }
+}
+
+// Super-block formats: every (block u, output) of a landed chunk derives its d_w (and m_w) once into the chunk's DW
+// (MW), from the staged d (dmin) and sub-block scales of its super-block (block u is block first + u of it), as the
+// register engine's `derive` does (§2); every lane that needs them reads them after the chunk's second barrier.
+template <int CB, typename C, int THREADS>
+__device__ __forceinline__ void ring_derive(u32* slot, int first, int tid) {
+    typedef Traits<CB> T;
+    const u16* d = reinterpret_cast<const u16*>(slot + C::scale);
+    const u16* dmin = reinterpret_cast<const u16*>(slot + C::min);
+#pragma unroll
+    for (int i = 0; i < (C::KC * C::OUT + THREADS - 1) / THREADS; ++i) {
+        const int e = tid + i * THREADS, u = e / C::OUT, at = e % C::OUT;
+        if ((C::KC * C::OUT) % THREADS && e >= C::KC * C::OUT) break;
+        const SubScales s = sub_record<CB>(reinterpret_cast<const unsigned char*>(slot + C::sub) + at * T::SUB_BYTES,
+                                           [](const auto* q) { return *q; });
+        float d_w[T::HALVES], m_w = 0.0f;
+        derive<CB, false>(half_bits_to_float(d[at]), T::ASYM ? half_bits_to_float(dmin[at]) : 0.0f, s, (first + u) & 7,
+                          d_w, m_w);
+        reinterpret_cast<float*>(slot + C::dw)[e] = d_w[0];
+        if (T::ASYM) reinterpret_cast<float*>(slot + C::mw)[e] = m_w;
+    }
 }
 
 // One part of a ring chunk: KC blocks of PER pieces each, piece e = u * PER + item. Thread `tid` copies pieces tid,
@@ -1053,17 +1181,19 @@ __device__ __forceinline__ void for_pieces(int tid, Copy copy) {
     }
 }
 
-// Blocks [0, cn) of a landed ring chunk for the warp's first `tiles` 8-output tiles, `left` = M minus the pass's first
-// row (rows past M are zero-filled, so computing them is harmless; mma_tile skips the float work of empty halves).
+// Blocks [u_lo, cn) of a landed ring chunk (u_lo = 1 where a partition starts on a pair's second block) for the
+// warp's first `tiles` 8-output tiles, `left` = M minus the pass's first row (rows past M are zero-filled, so
+// computing them is harmless; mma_tile skips the float work of empty halves).
 template <int CB, int NT, int MTILES, bool GRID_SPLIT, int THREADS>
-__device__ __forceinline__ void ring_chunk(const u32* slot, int cn, int tiles, int left, int o_warp, int g, int t,
-                                           float (&acc)[NT][MTILES][4]) {
+__device__ __forceinline__ void ring_chunk(const u32* slot, int u_lo, int cn, int first, int tiles, int left,
+                                           int o_warp, int g, int t, float (&acc)[NT][MTILES][4]) {
     typedef Traits<CB> T;
     typedef typename RingShape<CB, NT, 16 * MTILES, GRID_SPLIT, THREADS>::C C;
     constexpr int KC = C::KC, OUT = C::OUT, ROWS = C::ROWS;
 #pragma unroll
     for (int u = 0; u < KC; ++u) {
         if (u >= cn) break;  // block-uniform
+        if (u < u_lo) continue;
         int a[MTILES][4];
         RowBlock<CB> rows[MTILES][2];
 #pragma unroll
@@ -1074,6 +1204,7 @@ __device__ __forceinline__ void ring_chunk(const u32* slot, int cn, int tiles, i
                 const u32* q = slot + C::q + (u * ROWS + r) * ROW_WORDS;
                 a[i][h] = (int)q[t];
                 a[i][2 + h] = (int)q[4 + t];
+                if (T::TABLE) to_selector_pair(a[i][h], a[i][2 + h]);  // the order of the weights' addends
                 const uint2 ds = *reinterpret_cast<const uint2*>(slot + C::ds + 2 * (u * ROWS + r));
                 rows[i][h] = RowBlock<CB>::of(__uint_as_float(ds.x), (int)ds.y);
             }
@@ -1081,35 +1212,48 @@ __device__ __forceinline__ void ring_chunk(const u32* slot, int cn, int tiles, i
         for (int j = 0; j < NT; ++j) {
             if (j >= tiles) break;  // warp-uniform
             const int pair = (u * OUT + o_warp + 8 * j) / 2 + t;  // scales of outputs 2t, 2t+1 of the tile
-            const u32 scales = slot[C::scale + pair];
-            const u32 mins = T::ASYM ? slot[C::min + pair] : 0u;
-            int lo, hi;
-            ring_weights<CB, C>(slot, u, o_warp + 8 * j + g, t, lo, hi);
-            const float d_w[2][1] = {{half_bits_to_float(scales & 0xFFFFu)}, {half_bits_to_float(scales >> 16)}};
-            const float m_w[2] = {half_bits_to_float(mins & 0xFFFFu), half_bits_to_float(mins >> 16)};
-            mma_tile<CB, MTILES, true>(a, rows, lo, hi, d_w, m_w, 0, left, acc[j]);
+            const u32 scales = T::SUPER ? 0u : slot[C::scale + pair];
+            const u32 mins = T::ASYM && !T::SUPER ? slot[C::min + pair] : 0u;
+            int b[RING_ADDENDS<CB>][2];
+            ring_weights<CB, C>(slot, u, first, o_warp + 8 * j + g, t, b);
+            float d_w[2][1] = {{half_bits_to_float(scales & 0xFFFFu)}, {half_bits_to_float(scales >> 16)}};
+            float m_w[2] = {half_bits_to_float(mins & 0xFFFFu), half_bits_to_float(mins >> 16)};
+            if constexpr (T::SUPER) {  // outputs 2t, 2t+1: one 8-byte load of each
+                const int at = u * OUT + o_warp + 8 * j + 2 * t;
+                const float2 dw = *reinterpret_cast<const float2*>(slot + C::dw + at);
+                d_w[0][0] = dw.x, d_w[1][0] = dw.y;
+                if (T::ASYM) {
+                    const float2 mw = *reinterpret_cast<const float2*>(slot + C::mw + at);
+                    m_w[0] = mw.x, m_w[1] = mw.y;
+                }
+            }
+            mma_tile<CB, MTILES, true>(a, rows, b, d_w, m_w, 0, left, acc[j]);
         }
     }
 }
 
-// Blocks [0, cn) of a landed ring chunk with the operands swapped (M <= 8): A = the weights of 16 outputs (a pair of
+// Blocks [u_lo, cn) of a landed ring chunk with the operands swapped (M <= 8): A = the weights of 16 outputs (a pair of
 // the warp's 8-output tiles: lane (g, t) decodes word t of outputs g and g+8), B = the pass's 8 activation rows (row
 // g's words t and 4+t), so C holds outputs g, g+8 by rows 2t, 2t+1: every C value a row of the pass, where the
 // activation-as-A form leaves rows g+8 empty. acc[j][0][e] is output 8j+g (of the warp's first), row 2t+e; a pair
 // whose upper tile lies past N computes zero-filled outputs that mma_store_weights_a skips.
 template <int CB, int NT, bool GRID_SPLIT, int THREADS>
-__device__ __forceinline__ void ring_chunk_weights_a(const u32* slot, int cn, int tiles, int o_warp, int g, int t,
-                                                     float (&acc)[NT][1][4]) {
+__device__ __forceinline__ void ring_chunk_weights_a(const u32* slot, int u_lo, int cn, int first, int tiles,
+                                                     int o_warp, int g, int t, float (&acc)[NT][1][4]) {
     typedef Traits<CB> T;
     typedef typename RingShape<CB, NT, 8, GRID_SPLIT, THREADS>::C C;
     constexpr int KC = C::KC, OUT = C::OUT, ROWS = C::ROWS;
     const u16* scales = reinterpret_cast<const u16*>(slot + C::scale);
     const u16* mins = reinterpret_cast<const u16*>(slot + C::min);
+    const float* dw = reinterpret_cast<const float*>(slot + C::dw);
+    const float* mw = reinterpret_cast<const float*>(slot + C::mw);
 #pragma unroll
     for (int u = 0; u < KC; ++u) {
         if (u >= cn) break;  // block-uniform
+        if (u < u_lo) continue;
         const u32* q = slot + C::q + (u * ROWS + g) * ROW_WORDS;
-        const int b0 = (int)q[t], b1 = (int)q[4 + t];
+        int b0 = (int)q[t], b1 = (int)q[4 + t];
+        if (T::TABLE) to_selector_pair(b0, b1);  // the order of the weights' addends
         const uint4 ds = *reinterpret_cast<const uint4*>(slot + C::ds + 2 * (u * ROWS + 2 * t));  // rows 2t, 2t+1
         const RowBlock<CB> rows[2] = {RowBlock<CB>::of(__uint_as_float(ds.x), (int)ds.y),
                                       RowBlock<CB>::of(__uint_as_float(ds.z), (int)ds.w)};
@@ -1117,17 +1261,21 @@ __device__ __forceinline__ void ring_chunk_weights_a(const u32* slot, int cn, in
 #pragma unroll
         for (int j = 0; j < NT; j += 2) {
             if (j >= tiles) break;  // warp-uniform
-            int a[4];
+            int w[2][RING_ADDENDS<CB>][2];
 #pragma unroll
             for (int h = 0; h < 2; ++h)  // A rows g (outputs of tile j) and g+8 (tile j+1)
-                ring_weights<CB, C>(slot, u, o_warp + 8 * (j + h) + g, t, a[h], a[2 + h]);
-            int c[4];
-            mma_s8(a, b0, b1, c_in, c);
+                ring_weights<CB, C>(slot, u, first, o_warp + 8 * (j + h) + g, t, w[h]);
+            int c[4] = {c_in[0], c_in[1], c_in[2], c_in[3]};
+#pragma unroll
+            for (int x = 0; x < RING_ADDENDS<CB>; ++x) {  // the lookup's addends: an mma each
+                const int a[4] = {w[0][x][0], w[1][x][0], w[0][x][1], w[1][x][1]};
+                mma_s8(a, b0, b1, c, c);
+            }
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const int o = o_warp + 8 * (j + h) + g;
-                const float d_w[1] = {half_bits_to_float(scales[u * OUT + o])};
-                const float m_w = T::ASYM ? half_bits_to_float(mins[u * OUT + o]) : 0.0f;
+                const float d_w[1] = {T::SUPER ? dw[u * OUT + o] : half_bits_to_float(scales[u * OUT + o])};
+                const float m_w = !T::ASYM ? 0.0f : T::SUPER ? mw[u * OUT + o] : half_bits_to_float(mins[u * OUT + o]);
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
                     const int biased[1] = {c[2 * h + e]};
@@ -1169,17 +1317,21 @@ __device__ __forceinline__ void mma_ring(GEMV_PARAMS) {
     const int p = GRID_SPLIT ? blockIdx.y : 0;
     const int b_begin = p * width;
     const int b_end = min(KB, b_begin + width);
-    const int chunks = (b_end - b_begin + KC - 1) / KC;
+    // The super-block formats' chunks start on multiples of KC (a chunk in one super-block, Q4_K/Q5_K's pairs whole):
+    // [b_lo, b_hi) covers the partition, whose blocks alone are computed.
+    constexpr int ALIGN = T::SUPER ? KC : 1;
+    const int b_lo = b_begin / ALIGN * ALIGN, b_hi = ALIGN == 1 ? b_end : min(KB, (b_end + ALIGN - 1) / ALIGN * ALIGN);
+    const int chunks = (b_hi - b_lo + KC - 1) / KC;
 
     const SharedBytes ring_at = shared_at(ring);
     // Blocks, columns and rows out of range are clamped to valid addresses; their copies zero-fill (src-size 0).
-    const int last_block = b_end - 1;
+    const int last_block = b_hi - 1;
     for (int m0 = 0; m0 < M; m0 += ROWS) {
         const int left = M - m0;  // the pass's rows below M
         // Chunk c into ring slot c % ST: consecutive threads on consecutive pieces of each part.
         auto issue = [&](int c) {
             const SharedBytes slot = ring_at + c % ST * (C::words * 4);
-            const int b0 = b_begin + c * KC, cn = min(KC, b_end - b0);
+            const int b0 = b_lo + c * KC, cn = min(KC, b_hi - b0);
             auto block = [&](int u) { return min(b0 + u, last_block); };
             auto column = [&](int o) { return min(n_cta + o, N - 1); };
             auto row = [&](int r) { return min(m0 + r, M - 1); };
@@ -1196,12 +1348,35 @@ __device__ __forceinline__ void mma_ring(GEMV_PARAMS) {
                     cp_async16(slot + 4 * (C::pay + (u * OUT + o) * T::WORDS + 4 * ring_piece<CB>(o, h)), row + 4 * h, ok);
                 }
             });
-            for_pieces<KC, OUT / 8, THREADS>(tid, [&](int u, int o8, int e) {  // 8 fp16 scales (mins)
-                const bool ok = u < cn && n_cta + 8 * o8 < N;
-                const u32 at = block_index(block(u), N, column(8 * o8));
-                cp_async16(slot + 4 * C::scale + 16 * e, scale + at, ok);
-                if (T::ASYM) cp_async16(slot + 4 * C::min + 16 * e, minv + at, ok);
-            });
+            if constexpr (T::SUPER) {
+                // The chunk's super-block: 8 fp16 d (dmin), 16-byte pieces of the outputs' sub-scale records
+                // (N % 8 == 0: N ends on a piece), Q5_K's 4 qh words.
+                const int sb = b0 >> 3;
+                for_pieces<1, OUT / 8, THREADS>(tid, [&](int, int o8, int e) {
+                    const bool ok = n_cta + 8 * o8 < N;
+                    const u32 at = block_index(sb, N, column(8 * o8));
+                    cp_async16(slot + 4 * C::scale + 16 * e, scale + at, ok);
+                    if (T::ASYM) cp_async16(slot + 4 * C::min + 16 * e, minv + at, ok);
+                });
+                for_pieces<T::SUB_BYTES / 2, OUT / 8, THREADS>(tid, [&](int r, int item, int e) {  // OUT * SUB_BYTES
+                    const int piece = r * (OUT / 8) + item;
+                    const bool ok = 16 * piece < T::SUB_BYTES * (N - n_cta);
+                    const unsigned char* src = sub + (u64)block_index(sb, N, n_cta) * T::SUB_BYTES + 16 * piece;
+                    cp_async16(slot + 4 * C::sub + 16 * e, ok ? src : sub, ok);
+                });
+                if (CB == Q5_K)
+                    for_pieces<8, OUT / 4, THREADS>(tid, [&](int i, int o4, int e) {
+                        const bool ok = n_cta + 4 * o4 < N;
+                        cp_async16(slot + 4 * C::qh + 16 * e, high + block_index(8 * sb + i, N, column(4 * o4)), ok);
+                    });
+            } else {
+                for_pieces<KC, OUT / 8, THREADS>(tid, [&](int u, int o8, int e) {  // 8 fp16 scales (mins)
+                    const bool ok = u < cn && n_cta + 8 * o8 < N;
+                    const u32 at = block_index(block(u), N, column(8 * o8));
+                    cp_async16(slot + 4 * C::scale + 16 * e, scale + at, ok);
+                    if (T::ASYM) cp_async16(slot + 4 * C::min + 16 * e, minv + at, ok);
+                });
+            }
             if (T::HIGH)
                 for_pieces<KC, OUT / 4, THREADS>(tid, [&](int u, int o4, int e) {  // 4 high-bit words
                     const bool ok = u < cn && n_cta + 4 * o4 < N;
@@ -1234,23 +1409,29 @@ __device__ __forceinline__ void mma_ring(GEMV_PARAMS) {
             __syncthreads();  // chunk c has landed for every thread; slot (c - 1) % ST is free
             if (c + ST - 1 < chunks) issue(c + ST - 1);
             cp_async_commit();
+            if constexpr (T::SUPER) {
+                ring_derive<CB, C, THREADS>(ring[c % ST], (b_lo + c * KC) & 7, tid);  // first
+                __syncthreads();  // the chunk's d_w (m_w) are in place
+            }
             if (tiles == 0) continue;
             const u32* slot = ring[c % ST];
-            const int cn = min(KC, b_end - b_begin - c * KC);
+            const int b0 = b_lo + c * KC, u_lo = ALIGN == 1 ? 0 : max(0, b_begin - b0), cn = min(KC, b_end - b0);
+            const int first = b0 & 7;
             // Whole chunks of whole tiles, with rows in every 8-row half of the pass (or, for one M tile, in its first
             // half: M <= 8) are nearly every chunk: there the trip counts are constants, and the chunk's blocks one
             // branch-free stretch. (A third copy for two M tiles spilled gemv_mma<Q4_0, 4, 2, false>.)
             if constexpr (WEIGHTS_A) {
-                if (cn == KC && tiles == NT)
-                    ring_chunk_weights_a<CB, NT, GRID_SPLIT, THREADS>(slot, KC, NT, o_warp, g, t, acc);
+                if (u_lo == 0 && cn == KC && tiles == NT)
+                    ring_chunk_weights_a<CB, NT, GRID_SPLIT, THREADS>(slot, 0, KC, first, NT, o_warp, g, t, acc);
                 else
-                    ring_chunk_weights_a<CB, NT, GRID_SPLIT, THREADS>(slot, cn, tiles, o_warp, g, t, acc);
-            } else if (cn == KC && tiles == NT && left > ROWS_ALL - 8) {
-                ring_chunk<CB, NT, MTILES, GRID_SPLIT, THREADS>(slot, KC, NT, ROWS_ALL, o_warp, g, t, acc);
-            } else if (MTILES == 1 && cn == KC && tiles == NT && left > ROWS_ALL - 16) {
-                ring_chunk<CB, NT, MTILES, GRID_SPLIT, THREADS>(slot, KC, NT, ROWS_ALL - 8, o_warp, g, t, acc);
+                    ring_chunk_weights_a<CB, NT, GRID_SPLIT, THREADS>(slot, u_lo, cn, first, tiles, o_warp, g, t, acc);
+            } else if (u_lo == 0 && cn == KC && tiles == NT && left > ROWS_ALL - 8) {
+                ring_chunk<CB, NT, MTILES, GRID_SPLIT, THREADS>(slot, 0, KC, first, NT, ROWS_ALL, o_warp, g, t, acc);
+            } else if (MTILES == 1 && u_lo == 0 && cn == KC && tiles == NT && left > ROWS_ALL - 16) {
+                ring_chunk<CB, NT, MTILES, GRID_SPLIT, THREADS>(slot, 0, KC, first, NT, ROWS_ALL - 8, o_warp, g, t,
+                                                                acc);
             } else {
-                ring_chunk<CB, NT, MTILES, GRID_SPLIT, THREADS>(slot, cn, tiles, left, o_warp, g, t, acc);
+                ring_chunk<CB, NT, MTILES, GRID_SPLIT, THREADS>(slot, u_lo, cn, first, tiles, left, o_warp, g, t, acc);
             }
         }
         cp_async_wait<0>();
@@ -1263,20 +1444,23 @@ __device__ __forceinline__ void mma_ring(GEMV_PARAMS) {
     }
 }
 
-// The tensor-core candidates (wide S = 1, kpar GRID_SPLIT): the ring engine for the legacy formats, registers for
-// the super-block formats. Both engines give the contract's bytes; the candidates' geometry is the same. THREADS
-// is the CTA (the candidate's threads): the ring's warps share its chunks, the register engine's share nothing.
+// The tensor-core candidates (wide S = 1, kpar GRID_SPLIT): the ring engine for Traits::RING's codebooks, registers
+// for the others. Both engines give the contract's bytes; the candidates' geometry is the same. THREADS is the CTA
+// (the candidate's threads): the ring's warps share its chunks, the register engine's share nothing.
 // Told only a CTA size above 128, ptxas aims at 64 registers and spills some 8-warp instantiations; naming the
 // CTAs per SM that the register cap still allows lets it use up to the cap. 128-thread CTAs keep ptxas's default
 // (0: no minimum), whose registers are the measured ones. WEIGHTS_A (ring codebooks, M <= 8, tiles in pairs): the
 // ring's operands swapped (ring_chunk_weights_a); its chunks hold 8 rows, so its ring is smaller, and told no
 // minimum ptxas aimed its 128-thread CTAs at the 5 per SM that the shared memory allows (96 registers) and spilled
 // the IQ4_NL kernel: they name the register cap's CTAs per SM too, as do Q8_0's, whose rings of 2-4 block chunks are
-// as small (told no minimum, ptxas spilled gemv_mma<Q8_0, 4, 1, false, 128, false> at 96 registers).
+// as small (told no minimum, ptxas spilled gemv_mma<Q8_0, 4, 1, false, 128, false> at 96 registers), and the
+// super-block ring's (told no minimum, ptxas spilled gemv_mma<IQ4_XS, 2, 2, false, 128, false> at 80 registers and
+// gemv_mma<Q4_K, 2, 2, true, 128, false> at 80).
 constexpr int REGISTER_FILE = 65536;  // per SM: registry.REGISTER_FILE (tests/test_compile.py)
 constexpr int REGISTER_CAP = 128;     // per thread: --maxrregcount, program.MAX_REGISTERS (tests/test_compile.py)
 template <int CB, int THREADS, bool WEIGHTS_A> constexpr int min_ctas_per_sm() {
-    return THREADS > 128 || WEIGHTS_A || CB == Q8_0 ? REGISTER_FILE / (THREADS * REGISTER_CAP) : 0;
+    constexpr bool named = THREADS > 128 || WEIGHTS_A || CB == Q8_0 || (Traits<CB>::SUPER && Traits<CB>::RING);
+    return named ? REGISTER_FILE / (THREADS * REGISTER_CAP) : 0;
 }
 
 template <int CB, int NT, int MTILES, bool GRID_SPLIT, int THREADS, bool WEIGHTS_A>
