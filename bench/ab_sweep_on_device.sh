@@ -6,7 +6,7 @@
 #   bash bench/ab_sweep_on_device.sh BASE.cu SECONDS GEOMEAN "PATCH ..." FAMILY:CODEBOOKS:MS ...
 #   bash bench/ab_sweep_on_device.sh .ab/base.cu 75 0.99 "bench/results/vNN-a.patch bench/results/vNN-b.patch" \
 #       direct:Q4_K:1 kpar:Q4_K,IQ4_XS:1,4,16 wide:IQ4_XS:16,1
-# (the next call's command, with its base and patches: bench/NOTES.md, row 41)
+# (versions 38–44 were measured and registered this way: bench/NOTES.md, row 44)
 # Under $OUT: ab.tgz (every A/B log and JSON), decide.txt (the verdict per cell) and the sweep's three files (none
 # when the source kept is the one the committed corpus was swept with).
 # SWEEP_DEVICES=0,1 (a machine of two GPUs) sweeps on both, one child process each (sweep_on_device.sh's DEVICES).
