@@ -8,7 +8,9 @@ Per cell (codebook, M, N, K) over every file given: the best candidate of each v
 family each, so the best over the files is the best a table could pick among those families), the tree's time over
 the baseline's. The baseline is the first source each run names (`sources[0]`, by file stem, as source_ab labels
 it); every file must name the same one. Prints one line per cell and the verdict; exit 0 to keep the tree's source
-(geomean below --geomean, default 1, and no cell slower than --worst), 1 to keep the baseline's, 2 on unusable input.
+(geomean below --geomean, default 1, and no cell slower than --worst), 1 to keep the baseline's, 2 on unusable input
+or when the tree would be kept but a run cut by its time limit left requested cells unmeasured (a run that names its
+`requested` cells, as source_ab writes them): an unmeasured codebook may hide the regression the rule looks for.
 """
 
 from __future__ import annotations
@@ -29,6 +31,12 @@ class Verdict:
     geomean: float
     worst: float
     keep_tree: bool
+    unmeasured: tuple[tuple[str, str, int], ...] = ()  # (family, codebook, M) slices a cut run did not finish
+
+    @property
+    def decided(self) -> bool:
+        """A baseline is kept on the cells measured; the tree only when every requested cell was."""
+        return not (self.keep_tree and self.unmeasured)
 
 
 def baseline_label(runs: list[dict]) -> str:
@@ -53,7 +61,19 @@ def decide(runs: list[dict], worst_allowed: float, geomean_below: float = 1.0) -
         raise ValueError("no cell has times of both versions")
     geomean = math.exp(sum(map(math.log, ratios.values())) / len(ratios))
     worst = max(ratios.values())
-    return Verdict(ratios, geomean, worst, geomean < geomean_below and worst <= worst_allowed)
+    return Verdict(ratios, geomean, worst, geomean < geomean_below and worst <= worst_allowed, unmeasured(runs))
+
+
+def unmeasured(runs: list[dict]) -> tuple[tuple[str, str, int], ...]:
+    """The (family, codebook, M) slices with a requested cell that no row of its run measured."""
+    out = set()
+    for run in runs:
+        requested = run.get("requested")
+        if requested is None:  # a run from before source_ab named its request
+            continue
+        measured = {(row["codebook"], row["m"], row["n"], row["k"]) for row in run["rows"]}
+        out |= {(requested["family"], cb, m) for cb, m, n, k in requested["cells"] if (cb, m, n, k) not in measured}
+    return tuple(sorted(out))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,9 +90,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for (codebook, m, n, k), ratio in verdict.ratios.items():
         print(f"{codebook} M={m} {n}x{k}: {ratio:.3f}")
-    choice = "keep the tree's source" if verdict.keep_tree else "keep the baseline's source"
+    for family, codebook, m in verdict.unmeasured:
+        print(f"not measured (the run was cut): {family} {codebook} M={m}")
+    choice = ("keep the tree's source" if verdict.keep_tree else "keep the baseline's source") if verdict.decided \
+        else "no verdict: the tree's cells are faster, but requested cells were not measured"
     print(f"{len(verdict.ratios)} cells, geomean {verdict.geomean:.3f}, worst {verdict.worst:.3f}: {choice}")
-    return 0 if verdict.keep_tree else 1
+    return 2 if not verdict.decided else 0 if verdict.keep_tree else 1
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ verdict=$?
 if [ "$verdict" -eq 0 ]; then
     echo "A/B: the tree's source is kept"
 elif [ "$verdict" -ne 1 ]; then
-    echo "A/B: no verdict (ab_decide.py exit $verdict): no sweep"; exit 1
+    echo "A/B: no verdict (ab_decide.py exit $verdict): no sweep"; grep -v "^[A-Z0-9_]* M=" "$OUT/decide.txt"; exit 1
 else
     echo "A/B: the baseline's source is kept; reverting ${patches[*]}"
     for ((i = ${#patches[@]} - 1; i >= 0; i--)); do

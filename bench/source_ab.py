@@ -141,6 +141,8 @@ def main() -> None:
     arities = {tag: mma_arity(text) for tag, text in every.items()}
     regs = registers(every, arities, args.family, codebooks, ms)
     rows: list[dict[str, Any]] = []
+    # What the run was asked for, so that a run cut by its time limit shows what it did not reach (ab_decide.py).
+    requested = {"family": args.family, "cells": [[cb, m, n, k] for cb in codebooks for m in ms for n, k in ANCHORS]}
     print(header(tags), flush=True)
     for codebook in codebooks:
         names = list(kernel_names(codebook))
@@ -155,7 +157,7 @@ def main() -> None:
                 print(cell_line(cell, tags), flush=True)
                 if args.out:  # after every cell: a run cut by its time limit keeps the cells it finished
                     result = {"sources": [p.name for p in args.sources], "config": asdict(CONFIG), "registers": regs,
-                              "rows": rows, "seconds": time.time() - started}
+                              "requested": requested, "rows": rows, "seconds": time.time() - started}
                     partial = args.out.with_suffix(".partial")
                     partial.write_text(json.dumps(result, indent=1) + "\n")
                     partial.replace(args.out)

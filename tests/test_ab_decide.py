@@ -56,3 +56,33 @@ def test_runs_of_different_baselines_are_refused(ab, capsys):
         ab.decide(runs("v33-direct", "v35-direct"), 1.03)
     assert ab.main([str(RESULTS / "ab-v33-direct-h200.json"), str(RESULTS / "ab-v35-kpar-h200.json")]) == 2
     assert capsys.readouterr().err.startswith("error: the runs name different baselines")
+
+
+def requesting(run: dict, family: str, codebooks: str, ms: str) -> dict:
+    """A committed run with the `requested` cells source_ab now records, as its command asked for them."""
+    anchors = bench_script("anchors").ANCHORS
+    cells = [[cb, int(m), n, k] for cb in codebooks.split(",") for m in ms.split(",") for n, k in anchors]
+    return run | {"requested": {"family": family, "cells": cells}}
+
+
+def test_a_cut_run_cannot_keep_the_tree(ab, tmp_path, capsys):
+    # Versions 38-44's direct run measured both codebooks it was asked for: the tree is kept.
+    done = requesting(runs("v38-44-direct")[0], "direct", "IQ4_XS,Q6_K", "1")
+    assert ab.decide([done], 1.03).unmeasured == () and ab.decide([done], 1.03).keep_tree
+    # Negative control: the same run asked for a third codebook it never reached gives no verdict, naming it.
+    cut = requesting(runs("v38-44-direct")[0], "direct", "IQ4_XS,Q6_K,IQ4_NL", "1")
+    verdict = ab.decide([cut], 1.03)
+    assert verdict.keep_tree and not verdict.decided and verdict.unmeasured == (("direct", "IQ4_NL", 1),)
+    (tmp_path / "cut.json").write_text(json.dumps(cut))
+    assert ab.main([str(tmp_path / "cut.json")]) == 2
+    out = capsys.readouterr().out.splitlines()
+    assert "not measured (the run was cut): direct IQ4_NL M=1" in out and out[-1].endswith("were not measured")
+
+
+def test_a_cut_run_with_a_slow_cell_keeps_the_baseline(ab):
+    # Versions 38-45's direct run was cut after IQ4_XS and Q4_K of the five codebooks asked for; its measured
+    # IQ4_XS 512x2048 (1.083) is evidence enough to keep the baseline.
+    cut = requesting(runs("v38-45-direct")[0], "direct", "IQ4_XS,Q4_K,IQ4_NL,Q5_K,Q6_K", "1")
+    verdict = ab.decide([cut], 1.03)
+    assert verdict.unmeasured == (("direct", "IQ4_NL", 1), ("direct", "Q5_K", 1), ("direct", "Q6_K", 1))
+    assert verdict.decided and not verdict.keep_tree and verdict.worst == pytest.approx(1.083, abs=2e-3)

@@ -4,6 +4,7 @@ first, the sweep runs on whatever source is kept, and a call without a verdict s
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -12,16 +13,17 @@ from pathlib import Path
 
 import pytest
 from corpus_fixture import build_corpus, fake_provenance
-from test_bench_report import REPO
+from test_bench_report import REPO, bench_script
 
 SCRIPT = REPO / "bench" / "ab_sweep_on_device.sh"
 pytestmark = pytest.mark.skipif(not SCRIPT.is_file() or shutil.which("patch") is None,
                                 reason="needs the checkout's bench/ and the patch tool")
 
 
-def call(tmp_path: Path, runs: list[str], patches: int, **env: str) -> tuple[subprocess.CompletedProcess, Path, Path]:
+def call(tmp_path: Path, runs: list[str | Path], patches: int,
+         **env: str) -> tuple[subprocess.CompletedProcess, Path, Path]:
     """The script in a scratch tree whose file `source` holds `patches` lines, line i added by patch i; the stubbed
-    A/B leaves the committed runs `ab-RUN.json` of bench/results."""
+    A/B leaves the committed runs `ab-RUN.json` of bench/results (or the run files given as paths)."""
     tree, out = tmp_path / "tree", tmp_path / "out"
     (tree / "bench").mkdir(parents=True)
     out.mkdir()
@@ -29,7 +31,8 @@ def call(tmp_path: Path, runs: list[str], patches: int, **env: str) -> tuple[sub
         shutil.copy(REPO / "bench" / name, tree / "bench" / name)
     (tree / "bench" / "device_env.sh").write_text(f'python3() {{ "{sys.executable}" "$@"; }}\n')
     results = REPO / "bench" / "results"
-    copies = " ".join(f'cp {results / f"ab-{run}.json"} "$OUT"; touch "$OUT/ab-{run}.log";' for run in runs)
+    files = [run if isinstance(run, Path) else results / f"ab-{run}.json" for run in runs]
+    copies = " ".join(f'cp {file} "$OUT"; touch "$OUT/{file.stem}.log";' for file in files)
     (tree / "bench" / "ab_on_device.sh").write_text(copies + "\n")
     (tree / "bench" / "sweep_on_device.sh").write_text('echo "$@" > "$OUT/swept"\n')
     names = [f"p{i}.patch" for i in range(patches)]
@@ -60,6 +63,17 @@ def test_a_losing_tree_is_reverted_before_the_sweep(tmp_path):
 def test_no_verdict_no_sweep(tmp_path):
     result, tree, out = call(tmp_path, [], 1)
     assert result.returncode == 1 and "no sweep" in result.stdout
+    assert (tree / "source").read_text() == "line 0\n" and not (out / "swept").exists()
+
+
+def test_a_cut_run_gives_no_verdict_and_names_what_it_missed(tmp_path):
+    """Versions 38-44's direct run, faster everywhere, as if its command had asked for a codebook it never reached."""
+    run = json.loads((REPO / "bench" / "results" / "ab-v38-44-direct-h200.json").read_text())
+    cells = [[cb, 1, n, k] for cb in ("IQ4_XS", "Q6_K", "IQ4_NL") for n, k in bench_script("anchors").ANCHORS]
+    (tmp_path / "ab-direct.json").write_text(json.dumps(run | {"requested": {"family": "direct", "cells": cells}}))
+    result, tree, out = call(tmp_path, [tmp_path / "ab-direct.json"], 1)
+    assert result.returncode == 1 and "no verdict (ab_decide.py exit 2): no sweep" in result.stdout
+    assert "not measured (the run was cut): direct IQ4_NL M=1" in result.stdout
     assert (tree / "source").read_text() == "line 0\n" and not (out / "swept").exists()
 
 
