@@ -143,6 +143,17 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     # What the run was asked for, so that a run cut by its time limit shows what it did not reach (ab_decide.py).
     requested = {"family": args.family, "cells": [[cb, m, n, k] for cb in codebooks for m in ms for n, k in ANCHORS]}
+
+    def save() -> None:
+        """The run so far (first with no rows, then after every cell): a run cut by its limit keeps what it did."""
+        if args.out:
+            result = {"sources": [p.name for p in args.sources], "config": asdict(CONFIG), "registers": regs,
+                      "requested": requested, "rows": rows, "seconds": time.time() - started}
+            partial = args.out.with_suffix(".partial")
+            partial.write_text(json.dumps(result, indent=1) + "\n")
+            partial.replace(args.out)
+
+    save()
     print(header(tags), flush=True)
     for codebook in codebooks:
         names = list(kernel_names(codebook))
@@ -155,12 +166,7 @@ def main() -> None:
                 cell = time_cell(modules, codebook, m, n, k, args.family, stream, l2)
                 rows += cell
                 print(cell_line(cell, tags), flush=True)
-                if args.out:  # after every cell: a run cut by its time limit keeps the cells it finished
-                    result = {"sources": [p.name for p in args.sources], "config": asdict(CONFIG), "registers": regs,
-                              "requested": requested, "rows": rows, "seconds": time.time() - started}
-                    partial = args.out.with_suffix(".partial")
-                    partial.write_text(json.dumps(result, indent=1) + "\n")
-                    partial.replace(args.out)
+                save()
 
 
 if __name__ == "__main__":
