@@ -11,6 +11,9 @@
 # when the source kept is the one the committed corpus was swept with).
 # SWEEP_DEVICES=0,1 (a machine of two GPUs) sweeps on both, one child process each (sweep_on_device.sh's DEVICES).
 # Mirror the verdict in the tree the next call sends (revert the same patches there if decide.txt ends "baseline's").
+# A spec cut by SECONDS before its last requested cell gives no verdict (and no sweep) unless a measured cell already
+# keeps the baseline: size SECONDS for the longest spec (H200, compile included: direct about 30 s a codebook at
+# M = 1, kpar about 10 s and wide about 9 s a (codebook, M); bench/results/ab-v38-4[45]-*-h200.log).
 set -uo pipefail
 source bench/device_env.sh
 start=$(date +%s)
