@@ -34,9 +34,14 @@ class Verdict:
     unmeasured: tuple[tuple[str, str, int], ...] = ()  # (family, codebook, M) slices a cut run did not finish
 
     @property
-    def decided(self) -> bool:
-        """A baseline is kept on the cells measured; the tree only when every requested cell was."""
-        return not (self.keep_tree and self.unmeasured)
+    def exit_code(self) -> int:
+        """0: keep the tree's source, 1: the baseline's (the cells measured suffice), 2: no verdict (the tree would be
+        kept, but requested cells were not measured)."""
+        return 1 if not self.keep_tree else 2 if self.unmeasured else 0
+
+
+CHOICES = ("keep the tree's source", "keep the baseline's source",
+           "no verdict: the tree's cells are faster, but requested cells were not measured")
 
 
 def baseline_label(runs: list[dict]) -> str:
@@ -92,10 +97,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{codebook} M={m} {n}x{k}: {ratio:.3f}")
     for family, codebook, m in verdict.unmeasured:
         print(f"not measured (the run was cut): {family} {codebook} M={m}")
-    choice = ("keep the tree's source" if verdict.keep_tree else "keep the baseline's source") if verdict.decided \
-        else "no verdict: the tree's cells are faster, but requested cells were not measured"
-    print(f"{len(verdict.ratios)} cells, geomean {verdict.geomean:.3f}, worst {verdict.worst:.3f}: {choice}")
-    return 2 if not verdict.decided else 0 if verdict.keep_tree else 1
+    print(f"{len(verdict.ratios)} cells, geomean {verdict.geomean:.3f}, worst {verdict.worst:.3f}: "
+          f"{CHOICES[verdict.exit_code]}")
+    return verdict.exit_code
 
 
 if __name__ == "__main__":

@@ -55,8 +55,7 @@ class TuneResult:
         out = [
             f"corpus: {self.corpus} ({self.cells} cells)",
             f"policy: {len(self.policy.identity_overlays)} identity and {len(self.policy.launch_overlays)} launch "
-            f"overlays; regret {_pct(self.regret)}; price of invariance (the table's identities) "
-            f"{_pct(self.price_of_invariance)}",
+            f"overlays; {_quality_text(self.regret, self.price_of_invariance)}",
             f"certificate: {'passed' if cert['passed'] else 'FAILED'} at {cert['level']} level on "
             f"{cert['device']['name']}, {cert['keys']} keys, {cert['seconds']} s ({checks})",
             f"generated: {self.generated or 'a temporary folder (removed), compared below'}",
@@ -74,6 +73,11 @@ class TuneResult:
 
 def _pct(summary: Mapping[str, Any]) -> str:
     return "geomean {geomean:.2f} %, p95 {p95:.2f} %, max {max:.2f} %".format(**summary)
+
+
+def _quality_text(regret: Mapping[str, Any], price: Mapping[str, Any]) -> str:
+    """The policy's regret and the price of invariance of the table's own identities, as the log and summary say."""
+    return f"regret {_pct(regret)}; price of invariance (the table's identities) {_pct(price)}"
 
 
 @contextmanager
@@ -138,7 +142,7 @@ def tune(plans: Sequence[SweepPlan], corpus_root: Path, timer: Timer, runner: ce
         corpus = load(folder)
         policy = train_policy(folder, log)
         regret, price = _quality(policy, corpus)
-        log(f"  regret {_pct(regret)}; price of invariance (the table's identities) {_pct(price)}")
+        log(f"  {_quality_text(regret, price)}")
     with _stage("certify", log), runner:
         rendered = generate.render(policy)
         cert = certify.certify(policy, rendered, runner, seed=seed, corpus_folder=folder, log=log)

@@ -68,11 +68,11 @@ def requesting(run: dict, family: str, codebooks: str, ms: str) -> dict:
 def test_a_cut_run_cannot_keep_the_tree(ab, tmp_path, capsys):
     # Versions 38-44's direct run measured both codebooks it was asked for: the tree is kept.
     done = requesting(runs("v38-44-direct")[0], "direct", "IQ4_XS,Q6_K", "1")
-    assert ab.decide([done], 1.03).unmeasured == () and ab.decide([done], 1.03).keep_tree
+    assert ab.decide([done], 1.03).unmeasured == () and ab.decide([done], 1.03).exit_code == 0
     # Negative control: the same run asked for a third codebook it never reached gives no verdict, naming it.
     cut = requesting(runs("v38-44-direct")[0], "direct", "IQ4_XS,Q6_K,IQ4_NL", "1")
     verdict = ab.decide([cut], 1.03)
-    assert verdict.keep_tree and not verdict.decided and verdict.unmeasured == (("direct", "IQ4_NL", 1),)
+    assert verdict.keep_tree and verdict.exit_code == 2 and verdict.unmeasured == (("direct", "IQ4_NL", 1),)
     (tmp_path / "cut.json").write_text(json.dumps(cut))
     assert ab.main([str(tmp_path / "cut.json")]) == 2
     out = capsys.readouterr().out.splitlines()
@@ -85,4 +85,4 @@ def test_a_cut_run_with_a_slow_cell_keeps_the_baseline(ab):
     cut = requesting(runs("v38-45-direct")[0], "direct", "IQ4_XS,Q4_K,IQ4_NL,Q5_K,Q6_K", "1")
     verdict = ab.decide([cut], 1.03)
     assert verdict.unmeasured == (("direct", "IQ4_NL", 1), ("direct", "Q5_K", 1), ("direct", "Q6_K", 1))
-    assert verdict.decided and not verdict.keep_tree and verdict.worst == pytest.approx(1.083, abs=2e-3)
+    assert verdict.exit_code == 1 and not verdict.keep_tree and verdict.worst == pytest.approx(1.083, abs=2e-3)

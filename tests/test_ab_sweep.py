@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -13,7 +14,8 @@ from pathlib import Path
 
 import pytest
 from corpus_fixture import build_corpus, fake_provenance
-from test_bench_report import REPO, bench_script
+from test_ab_decide import requesting, runs
+from test_bench_report import REPO
 
 SCRIPT = REPO / "bench" / "ab_sweep_on_device.sh"
 pytestmark = pytest.mark.skipif(not SCRIPT.is_file() or shutil.which("patch") is None,
@@ -68,9 +70,8 @@ def test_no_verdict_no_sweep(tmp_path):
 
 def test_a_cut_run_gives_no_verdict_and_names_what_it_missed(tmp_path):
     """Versions 38-44's direct run, faster everywhere, as if its command had asked for a codebook it never reached."""
-    run = json.loads((REPO / "bench" / "results" / "ab-v38-44-direct-h200.json").read_text())
-    cells = [[cb, 1, n, k] for cb in ("IQ4_XS", "Q6_K", "IQ4_NL") for n, k in bench_script("anchors").ANCHORS]
-    (tmp_path / "ab-direct.json").write_text(json.dumps(run | {"requested": {"family": "direct", "cells": cells}}))
+    cut = requesting(runs("v38-44-direct")[0], "direct", "IQ4_XS,Q6_K,IQ4_NL", "1")
+    (tmp_path / "ab-direct.json").write_text(json.dumps(cut))
     result, tree, out = call(tmp_path, [tmp_path / "ab-direct.json"], 1)
     assert result.returncode == 1 and "no verdict (ab_decide.py exit 2): no sweep" in result.stdout
     assert "not measured (the run was cut): direct IQ4_NL M=1" in result.stdout
@@ -91,5 +92,6 @@ def test_a_kept_source_the_committed_corpus_holds_is_not_swept_again(tmp_path, d
     result, tree, out = call(tmp_path, [f"v36-{f}-h200" for f in ("kpar", "wide")], 1, GPU_SLUG=folder.name)
     assert result.returncode == 0, result.stdout + result.stderr
     assert ("is the committed corpus's: no sweep" in result.stdout) == (digest is None)
+    assert re.search(r"kernel digest [0-9a-f]{12}\b", result.stdout)  # named in either case
     assert (out / "swept").exists() == (digest is not None)
     assert (tree / "source").read_text() == ""  # reverted all the same
