@@ -12,8 +12,10 @@ branch holding an mma (IMMA) or at least one block's dp4a instructions (8 IDP of
 are its mmas of work, else its blocks. Where a source takes a lookup codebook's payload word as two addends (Addends:
 gemv.cu's iq4nl_addends in the staged kernels, or in every one-row dp4a kernel where its SELECTOR_ORDER says MT == 1;
 RING_ADDENDS in the ring), each addend has its own dp4a or mma, so a block is 16 IDP and an mma of work 2 IMMA. The
-ring's loop holds its three chunk variants, so its figure is their mean. These are static counts: what the loop
-issues per unit, not how long it waits.
+ring's loop holds its three chunk variants, so its figure is their mean. A dp4a loop's figure is also given per byte
+of weights (`/byte`: a block is bits_per_weight * 4 bytes of its codebook), which the M = 1 launches' share of a
+streaming read follows (bench/NOTES.md, row 50). These are static counts: what the loop issues per unit, not how
+long it waits.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from pathlib import Path
 
 from gemv_dispatch.kernels import program, ptxas
 from gemv_dispatch.kernels.codebooks import get
+from gemv_dispatch.kernels.errors import BLOCK
 from gemv_dispatch.kernels.registry import instantiations
 
 DP4A_PER_BLOCK = 8  # 32 int8 products, 4 per IDP
@@ -75,6 +78,15 @@ def functions(dump: str) -> dict[str, list[tuple[int, str]]]:
 def codebooks() -> dict[str, str]:
     """The codebook of every kernel instantiation, by its source-level name (the registry's spelling)."""
     return {name: cb for cb, name in instantiations()}
+
+
+def per_weight_byte(loop: LoopCount) -> float | None:
+    """A dp4a loop's instructions per byte of weights it reads (a unit is one column's 32-weight block of its
+    codebook: bits_per_weight * 4 bytes, scales included); None for an mma loop or a kernel of no codebook."""
+    codebook = codebooks().get(loop.kernel)
+    if loop.unit != "block" or codebook is None:
+        return None
+    return loop.per_unit / (get(codebook).bits_per_weight * BLOCK / 8)
 
 
 @dataclass(frozen=True)
@@ -168,15 +180,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {([line for line in text.splitlines() if line.strip()] or ['failed'])[-1]}", file=sys.stderr)
         return 1
     if args.json:
-        print(json.dumps({tag: [asdict(c) | {"per_unit": c.per_unit} for c in cs] for tag, cs in results.items()}))
+        print(json.dumps({tag: [asdict(c) | {"per_unit": c.per_unit, "per_weight_byte": per_weight_byte(c)} for c in cs]
+                          for tag, cs in results.items()}))
         return 0
     codebook = codebooks()
-    print(f"{'source':28} {'kernel':32} {'codebook':8} {'loop':>5} {'units':>6} {'/unit':>7} {'unit':5}  top opcodes")
+    print(f"{'source':28} {'kernel':32} {'codebook':8} {'loop':>5} {'units':>6} {'/unit':>7} {'unit':5} {'/byte':>5}"
+          "  top opcodes")
     for tag, cs in results.items():
         for c in cs:
             top = ", ".join(f"{op} {n}" for op, n in list(c.ops.items())[:6])
+            per_byte = per_weight_byte(c)
             print(f"{tag[-28:]:28} {c.kernel:32} {codebook.get(c.kernel, '?'):8} {c.instructions:5} {c.units:6.1f} "
-                  f"{c.per_unit:7.1f} {c.unit:5}  {top}")
+                  f"{c.per_unit:7.1f} {c.unit:5} {'' if per_byte is None else f'{per_byte:.2f}':>5}  {top}")
     return 0
 
 

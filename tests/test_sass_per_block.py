@@ -104,3 +104,18 @@ def test_the_lookup_codebooks_ring_counts_two_mma_a_unit_where_the_source_has_ad
     assert (count.units, count.unit) == (4, "mma")
     (count,) = sass.count(listing(body, function=ring.replace("ILi5E", "ILi0E", 1)), addends)  # Q4_0: no lookup
     assert count.units == 4
+
+
+def test_instructions_per_weight_byte_take_the_codebooks_block_bytes():
+    """A dp4a loop's count per block over its codebook's bytes per 32 weights (Q4_0: 18, Q8_0: 34, IQ4_XS: 17);
+    none for an mma loop or a kernel no candidate launches."""
+    sass = bench_script("sass_per_block")
+
+    def loop(kernel: str, unit: str = "block") -> object:
+        return sass.LoopCount(kernel, instructions=144, units=4.0, unit=unit, ops={})
+
+    assert sass.per_weight_byte(loop("gemv_staged<0, 1, false>")) == 36 / 18
+    assert sass.per_weight_byte(loop("gemv_partial<4, 1, 1, false>")) == 36 / 34
+    assert sass.per_weight_byte(loop("gemv_staged<9, 1, false>")) == 36 / 17
+    assert sass.per_weight_byte(loop("gemv_mma<0, 2, 1, false, 128, false>", unit="mma")) is None
+    assert sass.per_weight_byte(loop("quantize_activations")) is None
