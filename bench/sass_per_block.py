@@ -11,7 +11,8 @@ branch holding an mma (IMMA) or at least one block's dp4a instructions (8 IDP of
 32-element block; an IDP by a constant, a uniform register or an immediate, sums bytes and is no block's); its units
 are its mmas of work, else its blocks. Where a source takes a lookup codebook's payload word as two addends (Addends:
 gemv.cu's iq4nl_addends in the staged kernels, or in every one-row dp4a kernel where its SELECTOR_ORDER says MT == 1;
-RING_ADDENDS in the ring), each addend has its own dp4a or mma, so a block is 16 IDP and an mma of work 2 IMMA. The
+RING_ADDENDS in the ring), each addend has its own dp4a or mma, so a block is 16 IDP and an mma of work 2 IMMA; where
+Q5_K's one-row kernels take a pair's odd block as two addends (gemv.cu's IN_PLACE), a pair is 24 IDP. The
 ring's loop holds its three chunk variants, so its figure is their mean. A dp4a loop's figure is also given per byte
 of weights (`/byte`: a block is bits_per_weight * 4 bytes of its codebook), which the M = 1 launches' share of a
 streaming read follows (bench/NOTES.md, row 50). These are static counts: what the loop issues per unit, not how
@@ -91,17 +92,21 @@ def per_weight_byte(loop: LoopCount) -> float | None:
 
 @dataclass(frozen=True)
 class Addends:
-    """Where a kernel source takes a lookup codebook's payload word as two addends, each its own dp4a or mma."""
+    """Where a kernel source takes a lookup codebook's payload word as two addends, each its own dp4a or mma, and
+    where Q5_K's odd blocks are two addends (nibbles and fifth bits in place) at one row."""
 
     staged: bool = False  # the staged dp4a kernels (gemv.cu's iq4nl_addends)
     one_row: bool = False  # the unstaged dp4a kernels of one row too (SELECTOR_ORDER's condition: MT == 1)
     ring: bool = False  # the tensor-core ring (RING_ADDENDS)
+    fifth_bits: bool = False  # Q5_K's one-row dp4a kernels: 8 + 16 IDP a pair of blocks (gemv.cu's IN_PLACE)
 
     @classmethod
     def of(cls, source: str) -> Addends:
         split = "iq4nl_addends(" in source
         order = re.search(r"constexpr bool SELECTOR_ORDER = ([^;]*);", source)
-        return cls(split, split and order is not None and "MT == 1" in order.group(1), "RING_ADDENDS" in source)
+        in_place = re.search(r"constexpr bool IN_PLACE = ([^;]*);", source)
+        fifth = in_place is not None and "CB == Q5_K && MT == 1" in in_place.group(1) and "Q5_K && IN_PLACE" in source
+        return cls(split, split and order is not None and "MT == 1" in order.group(1), "RING_ADDENDS" in source, fifth)
 
     def per_unit(self, kernel: str) -> tuple[int, int]:
         """(IDP of weights and activations per block, IMMA per mma of work) of a kernel named as in source
@@ -110,9 +115,12 @@ class Addends:
         if kernel not in codebooks():
             return DP4A_PER_BLOCK, 1
         name, _, arguments = kernel.partition("<")
-        lookup = get(codebooks()[kernel]).table
-        one_row = self.one_row and name == "gemv_partial" and arguments.split(",")[2].strip() == "1"
-        dp4a = lookup and ((self.staged and name == "gemv_staged") or one_row)
+        codebook = codebooks()[kernel]
+        lookup = get(codebook).table
+        rows_one = name == "gemv_staged" or (name == "gemv_partial" and arguments.split(",")[2].strip() == "1")
+        if self.fifth_bits and codebook == "Q5_K" and rows_one:
+            return DP4A_PER_BLOCK * 3 // 2, 1
+        dp4a = lookup and ((self.staged and name == "gemv_staged") or (self.one_row and rows_one))
         return DP4A_PER_BLOCK * (1 + dp4a), 1 + (lookup and self.ring and name == "gemv_mma")
 
 

@@ -84,6 +84,22 @@ def test_the_lookup_codebooks_staged_kernels_count_16_dp4a_a_block():
     assert not sass.Addends.of("iq4nl_addends( constexpr bool SELECTOR_ORDER = STAGE && T::TABLE;").one_row
 
 
+def test_q5k_one_row_kernels_count_24_dp4a_a_pair_where_the_source_splits_odd_blocks():
+    """Q5_K's odd block of a pair as two addends at one row (nibbles and fifth bits in place): 8 + 16 IDP a pair, so
+    48 IDP are 4 blocks in its staged and one-row kernels, 6 at two rows and in a source without the split."""
+    sass = bench_script("sass_per_block")
+    body = ["IDP.4A.U8.S8 R8, R4, R12, R8"] * 48
+    split = sass.Addends.of("constexpr bool IN_PLACE = CB == Q4_K || (CB == Q5_K && MT == 1); "
+                            "constexpr int ADDENDS = SELECTOR_ORDER || (CB == Q5_K && IN_PLACE) ? 2 : 1;")
+    assert split.fifth_bits and not sass.Addends.of("constexpr bool IN_PLACE = CB == Q4_K;").fifth_bits
+    staged, one_row = "_Z11gemv_stagedILi7ELi1ELb0EEvPKj", "_Z12gemv_partialILi7ELi1ELi1ELb0EEvPKj"
+    two_rows = "_Z12gemv_partialILi7ELi1ELi2ELb0EEvPKj"
+    for function, addends, blocks in ((staged, split, 4), (one_row, split, 4), (two_rows, split, 6),
+                                      (staged, sass.Addends(), 6)):
+        (count,) = sass.count(listing(body, function=function), addends)
+        assert (count.units, count.unit) == (blocks, "block"), function
+
+
 def test_a_dp4a_by_a_constant_sums_bytes_and_is_no_blocks():
     """Q6_K's dp4a kernels sum each half's activation bytes with IDP by 0x01010101 (a uniform register or an
     immediate): 8 products and 4 sums are one block."""
