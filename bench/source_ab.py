@@ -33,7 +33,7 @@ from anchors import ANCHORS
 from gemv_dispatch.dispatch.sweep import sweep_timing, weight_copies
 from gemv_dispatch.dispatch.timing import CupyBackend, cell_seed, time_candidates
 from gemv_dispatch.kernels import launch, program, ptxas
-from gemv_dispatch.kernels.registry import CANDIDATES, candidates_for, kernel_names, ticket_words
+from gemv_dispatch.kernels.registry import CANDIDATES, candidates_for, ticket_words
 
 CONFIG = replace(sweep_timing(), window_us=300.0, race=False)
 TREE = "tree"
@@ -129,6 +129,7 @@ def main() -> None:
     ap.add_argument("--family", default="kpar", help="the candidate family to compare (default kpar)")
     ap.add_argument("--codebooks", default="Q4_0,Q8_0")
     ap.add_argument("--ms", default="1,16")
+    ap.add_argument("--shapes", help="NxK,... (default: the anchors)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     started = time.time()
@@ -137,12 +138,13 @@ def main() -> None:
     texts = {p.stem: p.read_text() for p in args.sources}
     tags = [*texts, TREE]
     codebooks, ms = args.codebooks.split(","), [int(m) for m in args.ms.split(",")]
+    shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")] if args.shapes else ANCHORS
     every = texts | {TREE: program.source()}
     arities = {tag: mma_arity(text) for tag, text in every.items()}
     regs = registers(every, arities, args.family, codebooks, ms)
     rows: list[dict[str, Any]] = []
     # What the run was asked for, so that a run cut by its time limit shows what it did not reach (ab_decide.py).
-    requested = {"family": args.family, "cells": [[cb, m, n, k] for cb in codebooks for m in ms for n, k in ANCHORS]}
+    requested = {"family": args.family, "cells": [[cb, m, n, k] for cb in codebooks for m in ms for n, k in shapes]}
 
     def save() -> None:
         """The run so far (first with no rows, then after every cell): a run cut by its limit keeps what it did."""
@@ -156,13 +158,14 @@ def main() -> None:
     save()
     print(header(tags), flush=True)
     for codebook in codebooks:
-        names = list(kernel_names(codebook))
+        # Only the family's kernels at these M: an older source may lack another family's names.
+        names = {c.kernel_name(codebook, m) for c in CANDIDATES if c.family == args.family for m in ms}
         modules = {tag: (cp.RawModule(code=text, options=program.CONTRACT_OPTIONS,
                                       name_expressions=sorted({spelled(n, arities[tag]) for n in names})),
                          arities[tag])
                    for tag, text in texts.items()} | {TREE: (None, arities[TREE])}
         for m in ms:
-            for n, k in ANCHORS:
+            for n, k in shapes:
                 cell = time_cell(modules, codebook, m, n, k, args.family, stream, l2)
                 rows += cell
                 print(cell_line(cell, tags), flush=True)
