@@ -2,6 +2,7 @@
 
     git show REV:kernels/cuda/gemv.cu > .ab/base.cu
     python bench/source_ab.py .ab/base.cu [.ab/variant.cu ...] --family kpar --out bench/results/ab.json
+    python bench/source_ab.py .ab/base.cu --family direct,kpar,wide ...   # a cell's best over three families
 
 Each source is a file (not a revision: the device copy has no git history), the first the baseline; the working
 tree's source ("tree") is always timed too. All are built with the same options and name expressions, so they
@@ -9,7 +10,7 @@ must keep the parameter list and the workspace layout; a source whose gemv_mma t
 the tree's gets each name cut to its own (an argument added since, e.g. version 32's WEIGHTS_A, is timed against the
 older source's one path). Every version of a candidate enters one
 time_candidates call (graph replay, cold L2 by rotation, interleaved rounds, medians, no racing): each ratio
-comes from one run. First every version's instantiations of the family are compiled with nvcc (sm_90, the
+comes from one run. First every version's instantiations of the families are compiled with nvcc (sm_90, the
 contract's options): a version that spills is refused (the certificate's spill_free check would refuse its table
 after a whole sweep), and the registers of each go into the report. Before timing, every version's output is
 compared byte for byte with the tree's, and a kpar launch must leave its tickets zero: sources that disagree are
@@ -55,16 +56,16 @@ def spelled(name: str, arity: int) -> str:
     return "gemv_mma<" + ", ".join(name[len("gemv_mma<"):-1].split(", ")[:arity]) + ">"
 
 
-def time_cell(modules: dict[str, tuple[Any, int]], codebook: str, m: int, n: int, k: int, family: str, stream: Any,
-              l2: int) -> list[dict[str, Any]]:
-    """Every version of every `family` candidate of the cell: medians (µs) by version, bytes checked first."""
+def time_cell(modules: dict[str, tuple[Any, int]], codebook: str, m: int, n: int, k: int, families: list[str],
+              stream: Any, l2: int) -> list[dict[str, Any]]:
+    """Every version of every candidate of `families` in the cell: medians (µs) by version, bytes checked first."""
     rng = cp.random.default_rng(cell_seed(codebook, n, k, CONFIG.seed))
     with stream:
         copies = weight_copies(codebook, n, k, rng, l2, CONFIG.cold_l2)
         x = cp.random.default_rng(cell_seed(codebook, m, n, k)).standard_normal((m, k), dtype=cp.float32)
         qact = launch.quantize_activations(x, stream)
     store = launch.storage(qact)
-    candidates = [c for c in candidates_for(m, n, k) if c.family == family]
+    candidates = [c for c in candidates_for(m, n, k) if c.family in families]
     need = max(c.workspace_bytes(m, n, k) for c in candidates)
     launches, results = {}, {}
     for c in candidates:
@@ -91,10 +92,10 @@ def time_cell(modules: dict[str, tuple[Any, int]], codebook: str, m: int, n: int
              "us": {tag: stats[f"{tag}:{c.id}"].median_us for tag in modules}} for c in candidates]
 
 
-def registers(texts: dict[str, str], arities: dict[str, int], family: str, codebooks: list[str],
+def registers(texts: dict[str, str], arities: dict[str, int], families: list[str], codebooks: list[str],
               ms: list[int]) -> dict[str, dict[str, int]]:
-    """Registers by version and kernel name of the family's instantiations; a version that spills is refused."""
-    names = sorted({c.kernel_name(cb, m) for c in CANDIDATES if c.family == family for cb in codebooks for m in ms})
+    """Registers by version and kernel name of the families' instantiations; a version that spills is refused."""
+    names = sorted({c.kernel_name(cb, m) for c in CANDIDATES if c.family in families for cb in codebooks for m in ms})
     found = {}
     for tag, text in texts.items():
         built = ptxas.compile_parallel(sorted({spelled(n, arities[tag]) for n in names}), text=text)
@@ -126,7 +127,7 @@ def cell_line(rows: list[dict[str, Any]], tags: list[str]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("sources", type=Path, nargs="+", help="kernel source files, the baseline first")
-    ap.add_argument("--family", default="kpar", help="the candidate family to compare (default kpar)")
+    ap.add_argument("--family", default="kpar", help="candidate families to compare, comma-separated (default kpar)")
     ap.add_argument("--codebooks", default="Q4_0,Q8_0")
     ap.add_argument("--ms", default="1,16")
     ap.add_argument("--shapes", help="NxK,... (default: the anchors)")
@@ -141,7 +142,8 @@ def main() -> None:
     shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")] if args.shapes else ANCHORS
     every = texts | {TREE: program.source()}
     arities = {tag: mma_arity(text) for tag, text in every.items()}
-    regs = registers(every, arities, args.family, codebooks, ms)
+    families = args.family.split(",")
+    regs = registers(every, arities, families, codebooks, ms)
     rows: list[dict[str, Any]] = []
     # What the run was asked for, so that a run cut by its time limit shows what it did not reach (ab_decide.py).
     requested = {"family": args.family, "cells": [[cb, m, n, k] for cb in codebooks for m in ms for n, k in shapes]}
@@ -158,15 +160,15 @@ def main() -> None:
     save()
     print(header(tags), flush=True)
     for codebook in codebooks:
-        # Only the family's kernels at these M: an older source may lack another family's names.
-        names = {c.kernel_name(codebook, m) for c in CANDIDATES if c.family == args.family for m in ms}
+        # Only the families' kernels at these M: an older source may lack another family's names.
+        names = {c.kernel_name(codebook, m) for c in CANDIDATES if c.family in families for m in ms}
         modules = {tag: (cp.RawModule(code=text, options=program.CONTRACT_OPTIONS,
                                       name_expressions=sorted({spelled(n, arities[tag]) for n in names})),
                          arities[tag])
                    for tag, text in texts.items()} | {TREE: (None, arities[TREE])}
         for m in ms:
             for n, k in shapes:
-                cell = time_cell(modules, codebook, m, n, k, args.family, stream, l2)
+                cell = time_cell(modules, codebook, m, n, k, families, stream, l2)
                 rows += cell
                 print(cell_line(cell, tags), flush=True)
                 save()
