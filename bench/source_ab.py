@@ -92,10 +92,16 @@ def time_cell(modules: dict[str, tuple[Any, int]], codebook: str, m: int, n: int
              "us": {tag: stats[f"{tag}:{c.id}"].median_us for tag in modules}} for c in candidates]
 
 
+def family_kernels(families: list[str], codebooks: list[str], ms: list[int]) -> list[str]:
+    """The instantiations the candidates of `families` launch for these codebooks and M (only these: an older source
+    may lack another family's names)."""
+    return sorted({c.kernel_name(cb, m) for c in CANDIDATES if c.family in families for cb in codebooks for m in ms})
+
+
 def registers(texts: dict[str, str], arities: dict[str, int], families: list[str], codebooks: list[str],
               ms: list[int]) -> dict[str, dict[str, int]]:
     """Registers by version and kernel name of the families' instantiations; a version that spills is refused."""
-    names = sorted({c.kernel_name(cb, m) for c in CANDIDATES if c.family in families for cb in codebooks for m in ms})
+    names = family_kernels(families, codebooks, ms)
     found = {}
     for tag, text in texts.items():
         built = ptxas.compile_parallel(sorted({spelled(n, arities[tag]) for n in names}), text=text)
@@ -160,8 +166,7 @@ def main() -> None:
     save()
     print(header(tags), flush=True)
     for codebook in codebooks:
-        # Only the families' kernels at these M: an older source may lack another family's names.
-        names = {c.kernel_name(codebook, m) for c in CANDIDATES if c.family in families for m in ms}
+        names = family_kernels(families, [codebook], ms)
         modules = {tag: (cp.RawModule(code=text, options=program.CONTRACT_OPTIONS,
                                       name_expressions=sorted({spelled(n, arities[tag]) for n in names})),
                          arities[tag])
