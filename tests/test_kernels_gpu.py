@@ -83,7 +83,7 @@ def test_activation_kernel_matches_emulator(cp, stream):
 @pytest.mark.parametrize("n,k,m_set", [(1000, None, M_SET), (4096, 14336, (1, 5, 16, 31))])
 def test_candidates_equal_emulator_and_serial_m1(cp, stream, codebook, n, k, m_set):
     """Every candidate: bytes == emulator; grouped M == M serial M=1 launches; repeat identical;
-    permuted rows permute outputs; every element written."""
+    permuted rows permute outputs; every element written. The staged twins (M = 1 only): bytes == emulator."""
     from gemv_dispatch.kernels import launch
 
     k = k or ODD_K[codebook]
@@ -112,6 +112,14 @@ def test_candidates_equal_emulator_and_serial_m1(cp, stream, codebook, n, k, m_s
         perm = rng.permutation(m_max)
         assert_same_bits(run(cp, stream, cand, weights, x[perm]), serial[perm], f"{cand.id} row permutation")
         assert not (bits(again) == POISON).any()
+    # The staged twins run M = 1 only, so candidates_for(m_max) above never holds them.
+    rows = 4
+    for cand in (c for c in candidates_for(1, n, k) if c.staged):
+        s = cand.ksplit
+        if s not in expected:
+            expected[s] = emulate.gemv_quantized(packed, qa, s)
+        serial = np.stack([run(cp, stream, cand, weights, x[r : r + 1])[0] for r in range(rows)])
+        assert_same_bits(serial, expected[s][:rows], f"{codebook} {cand.id} M=1 vs emulator")
 
 
 def test_negative_control_identities_differ(cp, stream):
