@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import cache
+
 import numpy as np
 import pytest
 from bitcheck import assert_same_bits, bits
@@ -94,15 +96,17 @@ def test_candidates_equal_emulator_and_serial_m1(cp, stream, codebook, n, k, m_s
     m_max = max(m_set)
     x = adversarial_activations(m_max, k, rng)
     qa = emulate.quantize_activations(x)
-    expected: dict[int, np.ndarray] = {}
+    emulated = cache(lambda s: emulate.gemv_quantized(packed, qa, s))  # one emulation per split S
+
+    def serial_m1(cand, rows: int) -> np.ndarray:
+        """x's first `rows` rows, each by its own M = 1 launch of `cand`."""
+        return np.stack([run(cp, stream, cand, weights, x[r : r + 1])[0] for r in range(rows)])
+
     cands = candidates_for(m_max, n, k)
     assert {c.family for c in cands} == {"wide", "direct", "kpar"}
     for cand in cands:
-        s = cand.ksplit
-        if s not in expected:
-            expected[s] = emulate.gemv_quantized(packed, qa, s)
-        serial = np.stack([run(cp, stream, cand, weights, x[r : r + 1])[0] for r in range(m_max)])
-        assert_same_bits(serial, expected[s], f"{codebook} {cand.id} serial M=1 vs emulator")
+        serial = serial_m1(cand, m_max)
+        assert_same_bits(serial, emulated(cand.ksplit), f"{codebook} {cand.id} serial M=1 vs emulator")
         for m in m_set:
             if cand.valid(m, n, k):
                 grouped = run(cp, stream, cand, weights, x[:m])
@@ -112,15 +116,9 @@ def test_candidates_equal_emulator_and_serial_m1(cp, stream, codebook, n, k, m_s
         perm = rng.permutation(m_max)
         assert_same_bits(run(cp, stream, cand, weights, x[perm]), serial[perm], f"{cand.id} row permutation")
         assert not (bits(again) == POISON).any()
-    # The staged twins run M = 1 only, so candidates_for(m_max) above never holds them.
-    rows = 4
+    # The staged twins run M = 1 only, so candidates_for(m_max) above never holds them; a few rows, a launch each.
     for cand in (c for c in candidates_for(1, n, k) if c.staged):
-        s = cand.ksplit
-        if s not in expected:
-            expected[s] = emulate.gemv_quantized(packed, qa, s)
-        serial = np.stack([run(cp, stream, cand, weights, x[r : r + 1])[0] for r in range(rows)])
-        assert_same_bits(serial, expected[s][:rows], f"{codebook} {cand.id} M=1 vs emulator")
-
+        assert_same_bits(serial_m1(cand, 4), emulated(cand.ksplit)[:4], f"{codebook} {cand.id} M=1 vs emulator")
 
 def test_negative_control_identities_differ(cp, stream):
     """Two different identities on random data must give different bytes: the checks above can fail."""
