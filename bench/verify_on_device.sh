@@ -3,24 +3,17 @@
 # whole GPU suite, the kernel benchmark, `check --installed`. Under $OUT: gpu-tests.log, kernels.json, roofline.png,
 # bench.log, check.log (copy them to bench/results/ as *-h200.*; kernels_report.py renders kernels-h200.md).
 #   bash bench/verify_on_device.sh [CALL_SECONDS] [TEST_SECONDS]      (defaults 560 and 270)
-# TEST_SECONDS 0 leaves the GPU suite out; the benchmark runs only where the call leaves it time. Where the suite needs
-# most of a call, split it: `verify_on_device.sh 585 500` (suite and check), then `verify_on_device.sh 560 0`.
+# TEST_SECONDS 0 leaves the GPU suite out, and the benchmark runs only where the call leaves it time (`step` skips a
+# limit of 0 or less). Where the suite needs most of a call, split it: `verify_on_device.sh 585 500` (suite and check),
+# then `verify_on_device.sh 560 0`.
 set -uo pipefail
 source bench/device_env.sh
 start=$(date +%s)
 export GEMV_DISPATCH_TABLES=/tmp/tables
 step 15 gemv-dispatch install generated/nvidia-h200
-tests=${2:-270}
-if [ "$tests" -gt 0 ]; then
-    step "$tests" python3 -m pytest -m gpu -n 8 -q -p no:cacheprovider --tb=short -W ignore tests > "$OUT/gpu-tests.log" 2>&1
-    grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu-tests.log" | cut -c1-300 | tail -15
-fi
-# The benchmark gets what is left but the check's 70 s (`timeout 0` would be no limit at all, so none is no run).
+step "${2:-270}" python3 -m pytest -m gpu -n 8 -q -p no:cacheprovider --tb=short -W ignore tests > "$OUT/gpu-tests.log" 2>&1
+grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu-tests.log" | cut -c1-300 | tail -15
+# The benchmark gets what is left but the check's 70 s.
 left=$(( ${1:-560} - ($(date +%s) - start) - 75 ))
-if [ "$left" -gt 60 ]; then
-    step "$left" python3 bench/kernels.py --out "$OUT/kernels.json" --plot "$OUT/roofline.png" > "$OUT/bench.log" 2>&1
-    tail -30 "$OUT/bench.log"
-else
-    echo "no time left for the benchmark ($left s)"
-fi
+step "$left" python3 bench/kernels.py --out "$OUT/kernels.json" --plot "$OUT/roofline.png" > "$OUT/bench.log" 2>&1; tail -30 "$OUT/bench.log"
 step 70 gemv-dispatch check --installed > "$OUT/check.log" 2>&1; tail -12 "$OUT/check.log"

@@ -120,6 +120,7 @@ def test_candidates_equal_emulator_and_serial_m1(cp, stream, codebook, n, k, m_s
     for cand in (c for c in candidates_for(1, n, k) if c.staged):
         assert_same_bits(serial_m1(cand, 4), emulated(cand.ksplit)[:4], f"{codebook} {cand.id} M=1 vs emulator")
 
+
 def test_negative_control_identities_differ(cp, stream):
     """Two different identities on random data must give different bytes: the checks above can fail."""
     rng = np.random.default_rng(fresh_seed())
