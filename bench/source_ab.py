@@ -14,8 +14,10 @@ comes from one run. First every version's instantiations of the families are com
 contract's options): a version that spills is refused (the certificate's spill_free check would refuse its table
 after a whole sweep), and the registers of each go into the report. Before timing, every version's output is
 compared byte for byte with the tree's, and a kpar launch must leave its tickets zero: sources that disagree are
-refused, with the cell and candidate named. Each cell's line is printed, and --out rewritten, as soon as it is
-timed, so a run cut by a time limit keeps what it finished.
+refused, with the cell and candidate named. A source without the staged walks' shared-memory ring (no `CopyTo`,
+versions before 55) launches with the shared memory it asks for without one (Candidate.shared_bytes without a
+codebook): the ring's bytes would cost it occupancy it never uses. Each cell's line is printed, and --out
+rewritten, as soon as it is timed, so a run cut by a time limit keeps what it finished.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from gemv_dispatch.kernels.registry import CANDIDATES, candidates_for, ticket_wo
 
 CONFIG = replace(sweep_timing(), window_us=300.0, race=False)
 TREE = "tree"
+RING_MARK = "CopyTo"  # the staged walks' shared-memory ring (version 55 on)
 _MMA_TEMPLATE = re.compile(r"template <([^<>]*)>\s*__global__ void [^\n]*\bgemv_mma\(")
 
 
@@ -56,9 +59,10 @@ def spelled(name: str, arity: int) -> str:
     return "gemv_mma<" + ", ".join(name[len("gemv_mma<"):-1].split(", ")[:arity]) + ">"
 
 
-def time_cell(modules: dict[str, tuple[Any, int]], codebook: str, m: int, n: int, k: int, families: list[str],
-              stream: Any, l2: int) -> list[dict[str, Any]]:
-    """Every version of every candidate of `families` in the cell: medians (µs) by version, bytes checked first."""
+def time_cell(modules: dict[str, tuple[Any, int]], rings: dict[str, bool], codebook: str, m: int, n: int, k: int,
+              families: list[str], stream: Any, l2: int) -> list[dict[str, Any]]:
+    """Every version of every candidate of `families` in the cell: medians (µs) by version, bytes checked first;
+    rings[tag]: whether that version's staged walks take the ring's shared memory."""
     rng = cp.random.default_rng(cell_seed(codebook, n, k, CONFIG.seed))
     with stream:
         copies = weight_copies(codebook, n, k, rng, l2, CONFIG.cold_l2)
@@ -75,8 +79,10 @@ def time_cell(modules: dict[str, tuple[Any, int]], codebook: str, m: int, n: int
                 ws = launch.new_workspace(need, n) if need else None
             plans = [launch.plan(c, w, m) for w in copies]
             if module is not None:
-                kernel = module.get_function(spelled(c.kernel_name(codebook, m), arity))
-                plans = [replace(p, kernel=kernel) for p in plans]
+                name = spelled(c.kernel_name(codebook, m), arity)
+                kernel = launch.opt_in(name, module.get_function(name))
+                shared = plans[0].shared if rings[tag] else c.shared_bytes(m, k)
+                plans = [replace(p, kernel=kernel, shared=shared) for p in plans]
             launches[f"{tag}:{c.id}"] = lambda i, plans=plans, out=out, ws=ws: plans[i].enqueue(store, out, ws, stream)
             launches[f"{tag}:{c.id}"](0)
             results[(tag, c.id)] = (out, ws)
@@ -104,7 +110,12 @@ def registers(texts: dict[str, str], arities: dict[str, int], families: list[str
     names = family_kernels(families, codebooks, ms)
     found = {}
     for tag, text in texts.items():
-        built = ptxas.compile_parallel(sorted({spelled(n, arities[tag]) for n in names}), text=text)
+        try:
+            built = ptxas.compile_parallel(sorted({spelled(n, arities[tag]) for n in names}), text=text)
+        except RuntimeError as failed:  # e.g. 44 has no Q6_K ring, whose candidates the tree launches since 49
+            error = next((line.strip() for line in str(failed).splitlines() if "error" in line), str(failed))
+            raise SystemExit(f"{tag} cannot build the tree's instantiations of {','.join(codebooks)} "
+                             f"(leave out the codebooks it lacks): {error}") from None
         if spills := [r.describe() for r in built if not r.spill_free]:
             raise SystemExit(f"{tag} spills: {'; '.join(spills)}")
         found[tag] = {r.name: r.registers for r in built if r.name not in program.HELPER_KERNELS}
@@ -148,6 +159,7 @@ def main() -> None:
     shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")] if args.shapes else ANCHORS
     every = texts | {TREE: program.source()}
     arities = {tag: mma_arity(text) for tag, text in every.items()}
+    rings = {tag: RING_MARK in text for tag, text in every.items()}
     families = args.family.split(",")
     regs = registers(every, arities, families, codebooks, ms)
     rows: list[dict[str, Any]] = []
@@ -173,7 +185,7 @@ def main() -> None:
                    for tag, text in texts.items()} | {TREE: (None, arities[TREE])}
         for m in ms:
             for n, k in shapes:
-                cell = time_cell(modules, codebook, m, n, k, families, stream, l2)
+                cell = time_cell(modules, rings, codebook, m, n, k, families, stream, l2)
                 rows += cell
                 print(cell_line(cell, tags), flush=True)
                 save()

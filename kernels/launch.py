@@ -27,7 +27,7 @@ from gemv_dispatch.kernels import layout, program
 from gemv_dispatch.kernels.codebooks import get
 from gemv_dispatch.kernels.emulate import QuantizedActivations
 from gemv_dispatch.kernels.errors import BLOCK, EnvironmentProblem, InputError
-from gemv_dispatch.kernels.registry import Candidate, kernel_names, ticket_words
+from gemv_dispatch.kernels.registry import RING_SHARED_LIMIT, Candidate, kernel_names, ticket_words
 
 try:
     import cupy
@@ -236,8 +236,18 @@ def _module(codebook: str | None) -> Any:
 
 @cache
 def _kernel(codebook: str | None, name: str) -> Any:
-    """A compiled kernel, looked up once: launches sit on the timed host path of eager mode."""
-    return _module(codebook).get_function(name)
+    """A compiled kernel, looked up and opted in once: launches sit on the timed host path of eager mode."""
+    return opt_in(name, _module(codebook).get_function(name))
+
+
+def opt_in(name: str, kernel: Any) -> Any:
+    """`kernel`, instantiation `name`; a staged one (gemv_staged) allowed registry.RING_SHARED_LIMIT bytes of dynamic
+    shared memory, which Candidate.shared_bytes gives its ring where that fits (a cap: launches that take less are
+    as they were). The other kernels keep the default: the ring kernels' 48 KB of static shared memory plus that
+    much would pass the opt-in limit of some GPUs."""
+    if name.startswith("gemv_staged<"):
+        kernel.max_dynamic_shared_size_bytes = RING_SHARED_LIMIT
+    return kernel
 
 
 def _helper(name: str) -> Any:
@@ -354,7 +364,7 @@ def plan(candidate: Candidate, weights: DeviceWeights, m: int) -> Plan:
     return Plan(
         candidate=candidate, m=m,
         kernel=_kernel(weights.codebook, candidate.kernel_name(weights.codebook, m)),
-        grid=grid, block=block, shared=candidate.shared_bytes(m, k),
+        grid=grid, block=block, shared=candidate.shared_bytes(m, k, weights.codebook),
         weights=weights.plane_args(),
         scalars=(np.int32(m), np.int32(n), np.int32(k // BLOCK), np.int32(candidate.partition_width(k))),
         workspace_floats=candidate.workspace_bytes(m, n, k) // 4,

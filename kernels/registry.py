@@ -41,6 +41,20 @@ MMA_OUTPUTS = 8  # outputs per mma (the B operand)
 MMA_ROW_TILES = (1, 2)  # M tiles of MMA_ROWS handled per pass over the weights
 SHARED_MEMORY_LIMIT = 48 * 1024  # default dynamic shared memory per CTA, no opt-in needed
 STAGED_BLOCK_BYTES = 40  # one staged activation block: 32 int8 values, d_a and the integer sum (gemv.cu's)
+# gemv.cu's staged walks (PIPE): PIPE_SLOTS ring slots per thread behind the staged blocks, each a batch of groups
+# (pipe_slot_bytes): a group's 16-byte cells (its payload rows; Q6_K: a quad's 4 rows, their 4 high words and the
+# quad's scales) and 4-byte cells (d, dmin, the sub-block scales' 3 reads, Q5_K's 8 qh words, a legacy block's high
+# bits). Given only where the CTA's total fits RING_SHARED_LIMIT, the dynamic shared memory a kernel may opt in to on
+# every GPU of compute capability 8.0 and above (8.6 and 8.9: 99 KB; kernels.launch opts in above
+# SHARED_MEMORY_LIMIT), and where a thread walks at least RING_MIN_BLOCKS blocks: else the walk loads directly. The
+# ring's copies and its shared memory (fewer CTAs per SM) cost more than they hide on shorter walks, and on every
+# Q8_0 walk, whose light loop already reads near streaming speed (gemv.cu's PIPE; bench/NOTES.md, rows 58 and 59).
+PIPE_SLOTS = 2
+RING_SHARED_LIMIT = 99 * 1024
+RING_MIN_BLOCKS = 160
+PIPE_GROUP_BYTES = {"Q4_0": 16 + 4, "Q4_1": 16 + 2 * 4, "Q5_0": 16 + 2 * 4, "Q5_1": 16 + 3 * 4, "IQ4_NL": 16 + 4,
+                    "IQ4_XS": 8 * 16 + 4 * 4, "Q4_K": 8 * 16 + 5 * 4, "Q5_K": 8 * 16 + 13 * 4, "Q6_K": 9 * 16 + 4}
+PIPE_BATCH = 4  # blocks a legacy walk's batch holds, each of its cpt columns; a super-block walk's: one group
 REGISTER_FILE = 65536  # 32-bit registers a CTA may use (every architecture since sm_50)
 # Threads per CTA a candidate may launch: what the register file holds at the compile options' register cap.
 MAX_CTA_THREADS = REGISTER_FILE // MAX_REGISTERS
@@ -64,6 +78,12 @@ def shape_error(m: int, n: int, k: int) -> str | None:
     return None
 
 
+def pipe_slot_bytes(codebook: str, cpt: int) -> int:
+    """A ring slot of `codebook`'s staged walk at `cpt` outputs per thread: one batch of groups (0: no ring)."""
+    cb = get(codebook)
+    return PIPE_GROUP_BYTES.get(cb.name, 0) * (1 if cb.superblock else PIPE_BATCH * cpt)
+
+
 def row_tile(m: int, cpt: int) -> int:
     """MT for M rows: the smallest power of two >= M, capped so MT·CPT <= MAX_ACCUMULATORS."""
     cap = min(ROW_TILES[-1], MAX_ACCUMULATORS // cpt)
@@ -75,17 +95,10 @@ def mma_row_tiles(m: int) -> int:
     return MMA_ROW_TILES[-1] if m > MMA_ROWS else MMA_ROW_TILES[0]
 
 
-def ring_engine(codebook: str) -> bool:
-    """Whether the tensor-core engine streams this codebook through its shared-memory ring (gemv.cu's Traits::RING:
-    the formats whose blocks own their payload rows or share them in pairs, all but Q6_K), else holds it in
-    registers (Q6_K, whose quads of blocks share theirs)."""
-    return get(codebook).nibble_run <= BLOCK
-
-
-def weights_as_a(codebook: str, m: int, mma_tiles: int) -> bool:
+def weights_as_a(m: int, mma_tiles: int) -> bool:
     """Whether an mma launch swaps the ring's operands (the weights of 16 outputs as A, MMA_OUTPUTS activation rows
-    as B): for M <= 8 on the ring, in pairs of tiles, so no C value is an empty row."""
-    return ring_engine(codebook) and m <= MMA_OUTPUTS and mma_tiles % 2 == 0
+    as B): for M <= 8, in pairs of tiles, so no C value is an empty row."""
+    return m <= MMA_OUTPUTS and mma_tiles % 2 == 0
 
 
 @dataclass(frozen=True)
@@ -128,13 +141,24 @@ class Candidate:
     def grid_split(self) -> bool:
         return self.family == "kpar"
 
-    def shared_bytes(self, m: int, k: int) -> int:
+    @property
+    def cta_threads(self) -> int:
+        """Threads per CTA: direct's S partitions are its second dimension (launch_geometry), kpar's the grid's."""
+        return self.threads * (1 if self.grid_split else self.ksplit)
+
+    def shared_bytes(self, m: int, k: int, codebook: str | None = None) -> int:
         """Dynamic shared memory per CTA: the direct family's partials of partitions 1..S-1, then a staged twin's
-        activation blocks (direct and wide: all KB; kpar: a partition)."""
+        activation blocks (direct and wide: all KB; kpar: a partition), then for `codebook`'s walk its ring
+        (pipe_slot_bytes), where a thread walks RING_MIN_BLOCKS blocks or more and the whole fits RING_SHARED_LIMIT."""
         if self.family == "kpar":
-            return STAGED_BLOCK_BYTES * self.partition_width(k) if self.staged else 0
-        partials = (self.ksplit - 1) * row_tile(m, self.cpt) * self.threads * self.cpt * 4
-        return partials + (STAGED_BLOCK_BYTES * (k // BLOCK) if self.staged else 0)
+            base = STAGED_BLOCK_BYTES * self.partition_width(k) if self.staged else 0
+        else:
+            partials = (self.ksplit - 1) * row_tile(m, self.cpt) * self.threads * self.cpt * 4
+            base = partials + (STAGED_BLOCK_BYTES * (k // BLOCK) if self.staged else 0)
+        long_walk = bool(codebook) and self.staged and self.partition_width(k) >= RING_MIN_BLOCKS
+        slot = pipe_slot_bytes(codebook, self.cpt) if long_walk else 0
+        with_ring = -(-base // 16) * 16 + self.cta_threads * PIPE_SLOTS * slot
+        return with_ring if slot and with_ring <= RING_SHARED_LIMIT else base
 
     def workspace_bytes(self, m: int, n: int, k: int) -> int:
         """kpar's workspace: ticket_words(N) u32 counters, zero before a launch and left zero by it, then the
@@ -151,7 +175,7 @@ class Candidate:
             return f"N={n} is not a multiple of the {MMA_OUTPUTS} outputs of an mma tile"
         if self.split(k) != self.ksplit:
             return f"ksplit {self.ksplit} is not effective for KB={k // BLOCK} (it acts as S={self.split(k)})"
-        if self.family != "kpar" and self.threads * self.ksplit > MAX_CTA_THREADS:
+        if self.cta_threads > MAX_CTA_THREADS:
             return f"{self.threads}x{self.ksplit} threads exceed {MAX_CTA_THREADS} per CTA"
         if self.staged and m != 1:
             return f"a staged launch computes M = 1, not M={m}"
@@ -167,7 +191,7 @@ class Candidate:
         cb = CODEBOOK_IDS[get(codebook).name]
         split = "true" if self.grid_split else "false"
         if self.mma_tiles:
-            swap = "true" if weights_as_a(codebook, m, self.mma_tiles) else "false"
+            swap = "true" if weights_as_a(m, self.mma_tiles) else "false"
             return f"gemv_mma<{cb}, {self.mma_tiles}, {mma_row_tiles(m)}, {split}, {self.threads}, {swap}>"
         if self.staged:
             return f"gemv_staged<{cb}, {self.cpt}, {split}>"

@@ -64,6 +64,15 @@ def test_a_staged_block_is_the_registrys():
     assert staged is not None and int(staged.group(1)) == registry.STAGED_BLOCK_BYTES
 
 
+def test_the_staged_rings_codebooks_are_the_registrys():
+    """gemv.cu's PIPE leaves out the codebooks whose staged walks take no ring; Candidate.shared_bytes gives a ring
+    only to those with a slot (registry.PIPE_GROUP_BYTES), so the two must name the same ones."""
+    pipe = re.search(r"constexpr bool PIPE = STAGE((?: && CB != \w+)*);", program.source())
+    assert pipe is not None
+    left_out = set(re.findall(r"CB != (\w+)", pipe.group(1)))
+    assert left_out == {cb for cb in CODEBOOKS if not registry.pipe_slot_bytes(cb, 1)}
+
+
 def test_the_thread_limit_follows_the_register_cap():
     """No CTA of more threads than the register file holds at --maxrregcount: a launch of such a CTA fails."""
     assert registry.MAX_CTA_THREADS * program.MAX_REGISTERS == registry.REGISTER_FILE

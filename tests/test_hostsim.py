@@ -15,7 +15,7 @@ import hostsim
 import numpy as np
 import pytest
 from bitcheck import assert_same_bits, bits
-from gemv_dispatch.kernels import emulate, launch, layout
+from gemv_dispatch.kernels import emulate, launch, layout, registry
 from gemv_dispatch.kernels.codebooks import CODEBOOKS, SUPERBLOCK
 from gemv_dispatch.kernels.errors import BLOCK
 from gemv_dispatch.kernels.layout import pack
@@ -110,8 +110,8 @@ def test_kpar_candidates_share_one_workspace(sim):
 
 def test_staged_launches_need_their_shared_memory_and_no_more(sim, monkeypatch):
     """gemv_staged's CTAs stage their activation blocks behind the partials in exactly Candidate.shared_bytes: with
-    it they give the emulator's bytes; one staged block (40 bytes) less and the CTA writes past its shared memory
-    (the simulator's guard), for a direct and a kpar twin."""
+    it they give the emulator's bytes; with one staged block (40 bytes) less than the blocks alone take (no ring) the
+    CTA writes past its shared memory (the simulator's guard), for a direct and a kpar twin."""
     value = fresh_seed()
     packed = pack("Q4_0", weights("Q4_0", N, K // BLOCK, value, "gaussian"), N, K)
     qa = emulate.quantize_activations(activations(1, np.random.default_rng(value)))
@@ -119,10 +119,31 @@ def test_staged_launches_need_their_shared_memory_and_no_more(sim, monkeypatch):
     for cand in twins:
         assert_same_bits(sim.gemv(cand, packed, qa, POISON), emulate.gemv_quantized(packed, qa, 4), cand.id)
     exact = Candidate.shared_bytes
-    monkeypatch.setattr(Candidate, "shared_bytes", lambda c, m, k: exact(c, m, k) - 40)
+    monkeypatch.setattr(Candidate, "shared_bytes", lambda c, m, k, codebook=None: exact(c, m, k) - 40)  # no ring
     for cand in twins:
         with pytest.raises(RuntimeError, match="wrote past"):
             sim.gemv(cand, packed, qa, POISON)
+
+
+@pytest.mark.parametrize("codebook", [cb for cb in CODEBOOKS if registry.pipe_slot_bytes(cb, 1)])
+@pytest.mark.parametrize("cand_id", ["kpar.s2.t128.c1.st", "kpar.s2.t64.c2.st"])
+def test_staged_rings_need_their_shared_memory_and_no_more(sim, monkeypatch, codebook, cand_id):
+    """The staged walks copy their batches through a ring of PIPE_SLOTS slots per thread behind the staged blocks
+    (registry.pipe_slot_bytes; here on walks of any length): with Candidate.shared_bytes a launch gives the emulator's
+    bytes; with 4 bytes less, a CTA whose threads all walk (N = 128) writes past its shared memory."""
+    monkeypatch.setattr(registry, "RING_MIN_BLOCKS", 0)
+    n, value = 128, fresh_seed()
+    packed = pack(codebook, weights(codebook, n, K // BLOCK, value, "gaussian"), n, K)
+    qa = emulate.quantize_activations(activations(1, np.random.default_rng(value)))
+    cand = next(c for c in valid(1) if c.id == cand_id)
+    exact = Candidate.shared_bytes
+    assert exact(cand, 1, K, codebook) > exact(cand, 1, K)  # the ring fits
+    with np.errstate(all="ignore"):
+        expected = emulate.gemv_quantized(packed, qa, 2)
+    assert_same_bits(sim.gemv(cand, packed, qa, POISON), expected, f"{codebook} {cand_id}")
+    monkeypatch.setattr(Candidate, "shared_bytes", lambda c, m, k, cb=None: exact(c, m, k, cb) - (4 if cb else 0))
+    with pytest.raises(RuntimeError, match="wrote past"):
+        sim.gemv(cand, packed, qa, POISON)
 
 
 def check_candidates(sim, codebook: str, n: int, k: int, x: np.ndarray, ms: tuple[int, ...], value: int,

@@ -5,18 +5,21 @@ import dataclasses
 import pytest
 from gemv_dispatch.kernels.codebooks import CODEBOOKS
 from gemv_dispatch.kernels.emulate import effective_split, identity
-from gemv_dispatch.kernels.errors import InputError
+from gemv_dispatch.kernels.errors import BLOCK, InputError
 from gemv_dispatch.kernels.registry import (
     BY_ID,
     CANDIDATES,
     MMA_OUTPUTS,
+    PIPE_SLOTS,
+    RING_MIN_BLOCKS,
+    RING_SHARED_LIMIT,
     SHARED_MEMORY_LIMIT,
     Candidate,
     by_id,
     candidates_for,
     instantiations,
     kernel_names,
-    ring_engine,
+    pipe_slot_bytes,
     ticket_words,
 )
 from hypothesis import given, settings
@@ -59,6 +62,32 @@ def test_every_dp4a_launch_has_a_staged_twin_for_one_row():
     assert "shared memory" in direct.invalid_reason(1, 4096, 32 * 1300)  # 52 KB of blocks
     kpar = twins[next(c for c in twins if c.family == "kpar" and c.ksplit == 4 and c.threads == 64)]
     assert kpar.shared_bytes(1, 32 * 4000) == 40 * 1000 and kpar.valid(1, 4096, 32 * 4000)
+
+
+def test_staged_walks_get_their_ring_where_it_fits_and_pays():
+    """The ring of the staged walks (PIPE_SLOTS slots per thread of one batch each, 16-byte aligned behind the staged
+    blocks) for staged twins only, only where a thread walks RING_MIN_BLOCKS blocks or more, never for Q8_0, and only
+    where the whole stays within RING_SHARED_LIMIT; a slot holds a super-block walk's one group, or a legacy walk's
+    PIPE_BATCH blocks of each of its cpt columns."""
+    assert pipe_slot_bytes("Q4_K", 2) == pipe_slot_bytes("Q4_K", 1) == 8 * 16 + 5 * 4
+    assert pipe_slot_bytes("Q4_0", 2) == 2 * pipe_slot_bytes("Q4_0", 1) == 2 * 4 * (16 + 4)
+    assert pipe_slot_bytes("Q8_0", 1) == 0
+    direct = next(c for c in CANDIDATES if c.id == "direct.s2.t64.c1.st")  # 128 threads
+    k = 2 * RING_MIN_BLOCKS * BLOCK  # each of the 2 partitions walks RING_MIN_BLOCKS blocks
+    base = direct.shared_bytes(1, k)
+    assert base == 64 * 4 + 40 * 2 * RING_MIN_BLOCKS
+    for cb in ("Q4_K", "Q4_0"):
+        assert direct.shared_bytes(1, k, cb) == base + 128 * PIPE_SLOTS * pipe_slot_bytes(cb, 1)
+        assert direct.shared_bytes(1, k - 2 * BLOCK, cb) == direct.shared_bytes(1, k - 2 * BLOCK)  # a block short
+    assert direct.shared_bytes(1, k, "Q8_0") == base
+    unstaged = next(c for c in CANDIDATES if c.id == "direct.s2.t64.c1")
+    assert unstaged.shared_bytes(1, k, "Q4_K") == unstaged.shared_bytes(1, k)
+    wide512 = next(c for c in CANDIDATES if c.id == "direct.s8.t64.c1.st")  # 512 threads: no room
+    assert wide512.shared_bytes(1, 4 * k, "IQ4_XS") == wide512.shared_bytes(1, 4 * k)
+    for c in CANDIDATES:
+        for cb in CODEBOOKS:
+            for kk in (5120, k, 4 * k):
+                assert c.shared_bytes(1, kk, cb) <= RING_SHARED_LIMIT and c.shared_bytes(1, kk, cb) % 4 == 0
 
 
 @pytest.mark.parametrize("bad", [
@@ -138,12 +167,8 @@ def test_mma_row_tiles_follow_m():
 
 
 def test_the_ring_takes_the_weights_as_a_at_m_up_to_8_in_tile_pairs():
-    """gemv.cu's Traits::RING (a static_assert there refuses a swapped launch of another codebook, so the compile
-    check fails if the registry names one) is every codebook but Q6_K."""
-    assert [cb for cb in CODEBOOKS if not ring_engine(cb)] == ["Q6_K"]
+    """Every codebook's mma launches of tile pairs swap the operands at M <= 8 (ring_chunk_weights_a)."""
     pair = by_id("wide.s1.t128.mma2")
     assert [pair.kernel_name("Q4_0", m).endswith(", true>") for m in (1, 8, 9, 16)] == [True, True, False, False]
-    assert pair.kernel_name("Q8_0", 4).endswith(", true>")
-    assert pair.kernel_name("Q4_K", 4).endswith(", true>") and pair.kernel_name("IQ4_XS", 4).endswith(", true>")
-    assert not pair.kernel_name("Q6_K", 4).endswith(", true>")  # the register engine
+    assert all(pair.kernel_name(cb, 4).endswith(", true>") for cb in CODEBOOKS)
     assert not by_id("wide.s1.t256.mma1").kernel_name("Q4_0", 4).endswith(", true>")  # one tile: no pair

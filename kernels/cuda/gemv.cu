@@ -8,8 +8,8 @@
 //     kpar    GRID_SPLIT, S partitions over CTAs (p = blockIdx.y), partials to workspace [S][M][N], folded in
 //             the same launch by the last CTA of each column range (fold_last)
 //   gemv_staged<CB, CPT, GRID_SPLIT>  gemv_partial at M = 1 with the activation row staged per CTA in shared memory
-//   gemv_mma<CB, NT, MTILES, GRID_SPLIT>  int8 tensor cores, a warp owns 8*NT outputs; wide and kpar; operands
-//     through a cp.async ring in shared memory (mma_ring) or prefetched in registers (mma_registers)
+//   gemv_mma<CB, NT, MTILES, GRID_SPLIT, THREADS, WEIGHTS_A>  int8 tensor cores, a warp owns 8*NT outputs; wide and
+//     kpar; operands through a cp.async ring in shared memory (mma_ring)
 //   quantize_activations: x float32 [M][K] -> q int8 [KB][M][32], d_a float [KB][M], sum_a int [KB][M]
 //     (block-major like the weights: the M rows of one block are adjacent, so a warp's fragment loads coalesce)
 //
@@ -42,6 +42,9 @@ struct Traits {
     static constexpr int WORDS = CB == Q8_0 ? 8 : 4;                           // payload u32 words per row
     static constexpr int GROUP = CB == Q4_K || CB == Q5_K ? 2 : (CB == Q6_K ? 4 : 1);  // blocks sharing rows
     static constexpr bool ASYM = CB == Q4_1 || CB == Q5_1 || CB == Q4_K || CB == Q5_K;  // a min per block
+    // The K-quants' min is -(dmin * m) (§2): the kernels hold dmin * m as m_w and subtract its term, which gives the
+    // same bits as adding the negated term (round to nearest even is symmetric) without a sign flip per block.
+    static constexpr bool MIN_SUBTRACTED = ASYM && SUPER;
     static constexpr bool HIGH = CB == Q5_0 || CB == Q5_1;                     // u32 high-bit plane per block
     static constexpr bool TABLE = CB == IQ4_NL || CB == IQ4_XS;                // IQ4_NL kvalues of the nibble
     static constexpr int OFFSET = CB == Q4_0 ? 8 : (CB == Q5_0 ? 16 : 0);      // code = stored value - OFFSET
@@ -54,9 +57,6 @@ struct Traits {
     // Columns a dp4a thread decodes at once: a paired format's group holds 2-4 payload rows (and Q5_K the
     // super-block's 8 qh words) per column, so those walk their CPT columns one (Q6_K) or two at a time.
     static constexpr int COLUMNS = CB == Q6_K ? 1 : (GROUP > 1 ? 2 : 16);
-    // The tensor-core engine streams the formats whose blocks own their payload rows (the legacy ones and IQ4_XS)
-    // and Q4_K, Q5_K (pairs of blocks share rows) through a shared-memory ring (mma_ring), else registers (Q6_K).
-    static constexpr bool RING = GROUP <= 2;
 };
 
 #ifndef GEMV_HOSTSIM
@@ -75,6 +75,7 @@ inline float canonical(float r) { return r != r ? __uint_as_float(0x7FFFFFFFu) :
 #define DYNAMIC_SHARED(type, name) type* name = reinterpret_cast<type*>(hostsim::self().shared)
 #endif
 F32_BINARY(add_rn, "add.rn.f32", a + b)
+F32_BINARY(sub_rn, "sub.rn.f32", a - b)
 F32_BINARY(mul_rn, "mul.rn.f32", a * b)
 F32_BINARY(div_rn, "div.rn.f32", a / b)
 F32_BINARY(max_f32, "max.f32", std::fmax(a, b))
@@ -105,6 +106,13 @@ __device__ __forceinline__ float half_bits_to_float(u16 h) {
     return f;
 }
 
+// dp4a.u32.s32: c plus the dot product of a's bytes read unsigned and b's signed. (The host twin is in tests/hostsim.)
+__device__ __forceinline__ int dp4a_us(u32 a, int b, int c) {
+    int r;
+    asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+    return r;
+}
+
 // prmt.b32, default mode: byte i of the result is byte s_i & 7 of {b, a} (a bytes 0-3), or with s_i & 8 that byte's
 // sign replicated; only bits 0-15 of s are read. (The host twin is in tests/hostsim.)
 __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 s) {
@@ -113,29 +121,119 @@ __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 s) {
     return r;
 }
 
-// float(s) for |s| < 2^22, exactly: see magic_to_float.
-__device__ __forceinline__ float sub_rn(float a, float b) {
-    float r;
-    asm("sub.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-    return r;
-}
+// Asks for p's line in L2 and waits for nothing (no register, no result).
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" : : "l"(p)); }
 #else
+inline void prefetch_l2(const void*) {}
 inline float abs_f32(float a) { return std::fabs(a); }
 inline float rint_f32(float a) { return std::nearbyint(a); }
 inline int to_int_rz(float a) { return a != a ? 0 : (int)a; }  // only ever sees |a| <= 127
 inline float half_bits_to_float(u16 h) { return hostsim_half_to_float(h); }
-inline float sub_rn(float a, float b) { return canonical(a - b); }
 #endif
 
 // A constant x as a per-thread value (threadIdx.x < 1024, so the added shift is 0): ptxas keeps it in a register,
 // where it re-makes a constant from a uniform register before every use that needs one (a PRMT's first source).
 __device__ __forceinline__ u32 held(u32 x) { return x + (threadIdx.x >> 10); }
 
+// Asynchronous copies to shared memory (the ring, mma_ring; the staged walks, CopyTo) of BYTES (16: .cg, past L1; 8
+// and 4: .ca, their only form); a copy from an invalid source zero-fills (src-size 0). They take the address in the
+// shared state space (bytes), made once per CTA: converting a generic pointer per copy cost the ring's chunk issue ~2
+// instructions a piece. The wait orders the thread's later shared-memory reads after it ("memory"): the staged walks
+// read back their own copies with no barrier between. The host simulator addresses bytes directly.
+#ifndef GEMV_HOSTSIM
+typedef u32 SharedBytes;
+__device__ __forceinline__ SharedBytes shared_at(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+template <int BYTES>
+__device__ __forceinline__ void cp_async(SharedBytes to, const void* gmem, bool valid) {
+    static_assert(BYTES == 16 || BYTES == 8 || BYTES == 4, "cp.async copies 16, 8 or 4 bytes");
+    if constexpr (BYTES == 16)
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(to), "l"(gmem), "r"(valid ? 16 : 0));
+    else
+        asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;" ::"r"(to), "l"(gmem), "n"(BYTES),
+                     "r"(valid ? BYTES : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+__device__ __forceinline__ u32 dynamic_shared_bytes() {
+    u32 r;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(r));
+    return r;
+}
+#else  // the host's copies complete at once
+typedef unsigned char* SharedBytes;
+inline SharedBytes shared_at(const void* p) { return (SharedBytes)p; }
+template <int BYTES>
+inline void cp_async(SharedBytes to, const void* gmem, bool valid) {
+    valid ? (void)std::memcpy(to, gmem, BYTES) : (void)std::memset(to, 0, BYTES);
+}
+inline void cp_async_commit() {}
+template <int N>
+inline void cp_async_wait() {}
+inline u32 dynamic_shared_bytes() { return (u32)hostsim::self().shared_bytes; }
+#endif
+
+// How ColumnGroup::load reads a value of the weight planes: a load (Ldg), or a prefetch to L2 that reads nothing and
+// gives zero (PrefetchL2: the same addresses, ahead of their loads).
+struct Ldg {
+    template <typename V>
+    __device__ __forceinline__ V operator()(const V* p) const { return __ldg(p); }
+};
+struct PrefetchL2 {
+    template <typename V>
+    __device__ __forceinline__ V operator()(const V* p) const {
+        prefetch_l2(p);
+        return V{};
+    }
+};
+
+// The staged walks' ring (dp4a_partial, PIPE): CopyTo sends each value a batch's loads read to the next cell of the
+// thread's slot by cp.async, CopiedFrom reads them back in the same order. 16- and 8-byte values (payload rows; Q6_K's
+// high words and quad scales) take 16-byte cells, smaller ones the aligned 4-byte word that holds them (an fp16
+// value: the half its address picks; N even, so the word lies in its plane). A thread's cells are `step` bytes apart
+// (threads x 16, threads x 4), so a warp's copies and reads of a cell are consecutive.
+struct RingSlot {
+    unsigned char* wide;    // the thread's first 16-byte cell
+    unsigned char* narrow;  // its first 4-byte cell
+    u32 wide_step, narrow_step;
+};
+struct CopyTo {
+    SharedBytes wide, narrow;
+    u32 wide_step, narrow_step;
+    int* cells;  // {16-byte, 4-byte} cells used so far
+    // The slot's copies follow the thread's earlier reads of it (CopiedFrom) in program order: the compiler may not
+    // sink a read below them (cp.async declares no memory access of its own).
+    __device__ __forceinline__ CopyTo(const RingSlot& s, int (&used)[2])
+        : wide(shared_at(s.wide)), narrow(shared_at(s.narrow)), wide_step(s.wide_step), narrow_step(s.narrow_step),
+          cells(used) {
+        asm volatile("" ::: "memory");
+    }
+    template <typename V>
+    __device__ __forceinline__ V operator()(const V* p) const {
+        static_assert(sizeof(V) == 16 || sizeof(V) == 8 || sizeof(V) <= 4, "a cell holds 16, 8 or 4 bytes");
+        if constexpr (sizeof(V) >= 8)
+            cp_async<sizeof(V)>(wide + cells[0]++ * wide_step, p, true);
+        else
+            cp_async<4>(narrow + cells[1]++ * narrow_step, reinterpret_cast<const void*>((u64)p & ~(u64)3), true);
+        return V{};
+    }
+};
+struct CopiedFrom {
+    RingSlot s;
+    int* cells;
+    template <typename V>
+    __device__ __forceinline__ V operator()(const V* p) const {
+        if constexpr (sizeof(V) >= 8) {
+            return *reinterpret_cast<const V*>(s.wide + cells[0]++ * s.wide_step);
+        } else {
+            const u32 w = *reinterpret_cast<const u32*>(s.narrow + cells[1]++ * s.narrow_step);
+            return (V)(sizeof(V) == 2 ? w >> (8 * ((u64)p & 2)) : w);
+        }
+    }
+};
+
 // An exact small integer (a sub-block scale) as float: cvt.rn.f32.s32 has no flushing variant to fear.
 __device__ __forceinline__ float int_to_float(int i) { return (float)i; }
-
-// -x as a sign flip: exact for every input (a PTX neg may flush a subnormal under -ftz=true).
-__device__ __forceinline__ float negate(float x) { return __uint_as_float(__float_as_uint(x) ^ 0x80000000u); }
 
 // Row-major index r * n + c of a [rows][n] plane, in 32 bits (the registry refuses planes of 2^32 entries or more:
 // kernels.registry.MAX_PLANE_ENTRIES): each address is one IMAD.WIDE.U32 from its base where a 64-bit index took
@@ -217,9 +315,11 @@ __device__ __forceinline__ u32 centre6(u32 u) {
 }
 
 // Elements 4k..4k+3 (lo) and 16+4k..16+4k+3 (hi) of a legacy block as int8 words, in activation order.
-// `w` is payload word k; Q8_0, one element per byte, passes word k+4 as `w_hi`.
-template <int CB>
+// `w` is payload word k; Q8_0, one element per byte, passes word k+4 as `w_hi`. IN_PLACE (Q4_0, Q4_1): hi holds the
+// high nibbles where they lie, 16 times their codes (see IN_PLACE_MAGIC).
+template <int CB, bool IN_PLACE = false>
 __device__ __forceinline__ void decode_word(u32 w, u32 w_hi, u32 high, int k, int& lo, int& hi) {
+    static_assert(!IN_PLACE || CB == Q4_0 || CB == Q4_1, "only a bare nibble stays in place");
     if (CB == Q8_0) {
         lo = (int)w, hi = (int)w_hi;
     } else if (Traits<CB>::TABLE) {
@@ -227,7 +327,7 @@ __device__ __forceinline__ void decode_word(u32 w, u32 w_hi, u32 high, int k, in
         iq4nl_lookup(w, l, h);
         lo = (int)l, hi = (int)h;
     } else {
-        u32 l = w & 0x0F0F0F0Fu, h = (w >> 4) & 0x0F0F0F0Fu;
+        u32 l = w & 0x0F0F0F0Fu, h = IN_PLACE ? w & 0xF0F0F0F0u : (w >> 4) & 0x0F0F0F0Fu;
         if (Traits<CB>::HIGH) {
             l |= high_bits_to_bytes(high >> (4 * k));
             h |= high_bits_to_bytes(high >> (16 + 4 * k));
@@ -240,11 +340,15 @@ __device__ __forceinline__ void decode_word(u32 w, u32 w_hi, u32 high, int k, in
 // the block's elements 0..15 and 16..31; `h0`, `h1` the code bits above the nibble for those elements, already in
 // place (bit 4, and bit 5 for Q6_K) of each byte. Q4_K/Q5_K block u takes nibble u of rows 0, 1 of the pair;
 // Q6_K block u nibble u/2 of rows 2(u%2), 2(u%2)+1 of the quad, its codes centred (minus 32) unless RAW6 (the dp4a
-// engine takes the 6-bit codes as they are: see Q6_K_OFFSET).
-template <int CB, bool RAW6 = false>
+// engine takes the 6-bit codes as they are: see Q6_K_OFFSET). IN_PLACE (Q4_K, Q5_K): nibble u where it lies, 16^u
+// times itself (see IN_PLACE_MAGIC).
+template <int CB, bool RAW6 = false, bool IN_PLACE = false>
 __device__ __forceinline__ void decode_paired(u32 w0, u32 w1, u32 h0, u32 h1, int u, int& lo, int& hi) {
+    static_assert(!IN_PLACE || CB == Q4_K || CB == Q5_K, "only a nibble stays in place");
     const int shift = CB == Q6_K ? 4 * (u >> 1) : 4 * u;
-    u32 l = ((w0 >> shift) & 0x0F0F0F0Fu) | h0, h = ((w1 >> shift) & 0x0F0F0F0Fu) | h1;
+    const u32 nibbles = 0x0F0F0F0Fu << shift;
+    u32 l = (IN_PLACE ? w0 & nibbles : (w0 >> shift) & 0x0F0F0F0Fu) | h0;
+    u32 h = (IN_PLACE ? w1 & nibbles : (w1 >> shift) & 0x0F0F0F0Fu) | h1;
     if (CB == Q6_K && !RAW6) l = centre6(l), h = centre6(h);
     lo = (int)l, hi = (int)h;
 }
@@ -260,12 +364,13 @@ struct SubScales {
     u32 w[4];
 
     // Q4_K/Q5_K (GGUF get_scale_min): 6-bit scale and min of block j. UNPACKED (k6_unpacked): byte j of w[0..1]
-    // is the scale of block j, of w[2..3] its min, so block j costs a select, a shift and a mask each.
+    // is the scale of block j, of w[2..3] its min, so block j costs a select and a prmt each (byte j & 3 beside
+    // three zero bytes; shift and mask took two instructions for bytes 1-3).
     template <bool UNPACKED>
     __device__ __forceinline__ void k6(int j, int& scale, int& min) const {
         if (UNPACKED) {
-            const int s = 8 * (j & 3);
-            scale = (int)(((j & 4 ? w[1] : w[0]) >> s) & 0xFFu), min = (int)(((j & 4 ? w[3] : w[2]) >> s) & 0xFFu);
+            const u32 byte = 0x4440u | (j & 3);
+            scale = (int)prmt(j & 4 ? w[1] : w[0], 0u, byte), min = (int)prmt(j & 4 ? w[3] : w[2], 0u, byte);
         } else if (j < 4) {
             scale = (w[0] >> (8 * j)) & 63, min = (w[1] >> (8 * j)) & 63;
         } else {
@@ -277,8 +382,7 @@ struct SubScales {
     }
     // The 12 packed bytes (w[0..2]) as k6<true> reads them, for all 8 blocks at once: bytes 0-3 hold scales (and
     // mins, in bytes 4-7) 0-3 in their low 6 bits and the top 2 bits of 4-7, whose low 4 bits are bytes 8-11's nibbles.
-    // The dp4a engine unpacks once per super-block; the register engine, holding two columns per tile, keeps 12
-    // bytes (unpacked, a kpar kernel of it spilled).
+    // The dp4a engine unpacks once per super-block; the ring's derive pass reads the packed bytes once per block.
     __device__ __forceinline__ SubScales k6_unpacked() const {
         const u32 a = w[0], b = w[1], c = w[2];
         return SubScales{{a & 0x3F3F3F3Fu, (c & 0x0F0F0F0Fu) | ((a >> 2) & 0x30303030u), b & 0x3F3F3F3Fu,
@@ -295,12 +399,16 @@ struct SubScales {
     }
 };
 
-// The sub-block scale record at `p` of IQ4_XS (6 bytes: scales_h, scales_l, on 2-byte boundaries) or Q4_K/Q5_K
-// (12, on 4-byte ones), each word read by `read`: __ldg from the planes, a plain load from the ring's copy.
+// The sub-block scale record at `p` of IQ4_XS (6 bytes: scales_h, scales_l, on 2-byte boundaries), Q4_K/Q5_K
+// (12, on 4-byte ones) or Q6_K (the 8 of a quad, on 8-byte ones), each word read by `read`: Ldg (or PrefetchL2) from
+// the planes, a plain load from the ring's copy.
 template <int CB, typename Read>
 __device__ __forceinline__ SubScales sub_record(const unsigned char* p, Read read) {
     SubScales s{{0u, 0u, 0u, 0u}};
-    if (CB == IQ4_XS) {
+    if (CB == Q6_K) {
+        const uint2 x = read(reinterpret_cast<const uint2*>(p));
+        s.w[0] = x.x, s.w[1] = x.y;
+    } else if (CB == IQ4_XS) {
         const u16* h = reinterpret_cast<const u16*>(p);
         s.w[0] = read(h), s.w[1] = (u32)read(h + 1) | ((u32)read(h + 2) << 16);
     } else {
@@ -310,21 +418,20 @@ __device__ __forceinline__ SubScales sub_record(const unsigned char* p, Read rea
     return s;
 }
 
-// Column `col` of super-block `sb` (at = sb * N + col): the sub-block scale bytes of block b0's span (Q6_K: 8 of
-// its 16 per quad, on 8-byte boundaries).
+// Where the sub-block scales of block j (of its super-block) lie in its column's record: Q6_K's quad's 8 of 16 bytes.
 template <int CB>
-__device__ __forceinline__ SubScales load_sub(const unsigned char* __restrict__ sub, u64 at, int b0) {
-    const unsigned char* p = sub + at * Traits<CB>::SUB_BYTES;
-    if (CB == Q6_K) {
-        const uint2 x = __ldg(reinterpret_cast<const uint2*>(p) + ((b0 >> 2) & 1));
-        return SubScales{{x.x, x.y, 0u, 0u}};
-    }
-    return sub_record<CB>(p, [](const auto* q) { return __ldg(q); });
+__device__ __forceinline__ int sub_offset(int j) { return CB == Q6_K ? 8 * ((j >> 2) & 1) : 0; }
+
+// Column `col` of super-block `sb` (at = sb * N + col): the sub-block scale bytes of block b0's span, each word by
+// `read` (Ldg, PrefetchL2).
+template <int CB, typename Read>
+__device__ __forceinline__ SubScales load_sub(const unsigned char* __restrict__ sub, u64 at, int b0, Read read) {
+    return sub_record<CB>(sub + at * Traits<CB>::SUB_BYTES + sub_offset<CB>(b0), read);
 }
 
 // Block j's derived scales (one per half) and min from the super-block's d, dmin and sub-block scales:
-// d_w = d * sc (Q6_K: per half), m_w = -(dmin * m), each an exact fp32 product (§2). UNPACKED: Q4_K/Q5_K's
-// sub-block scales as SubScales::k6_unpacked holds them.
+// d_w = d * sc (Q6_K: per half), m_w = dmin * m (Traits::MIN_SUBTRACTED), each an exact fp32 product (§2).
+// UNPACKED: Q4_K/Q5_K's sub-block scales as SubScales::k6_unpacked holds them.
 template <int CB, bool UNPACKED>
 __device__ __forceinline__ void derive(float d, float dmin, const SubScales& s, int j,
                                        float (&d_w)[Traits<CB>::HALVES], float& m_w) {
@@ -337,14 +444,34 @@ __device__ __forceinline__ void derive(float d, float dmin, const SubScales& s, 
         int sc, m;
         s.template k6<UNPACKED>(j, sc, m);
         d_w[0] = mul_rn(d, int_to_float(sc));
-        m_w = negate(mul_rn(dmin, int_to_float(m)));
+        m_w = mul_rn(dmin, int_to_float(m));
     }
 }
 
 // float(s) for |s| < 2^22 (a block dot product is at most 32*128*127 in magnitude), exactly and at full ALU
 // rate, unlike I2F: an integer add places s in the mantissa of 1.5*2^23 (MAGIC), the subtraction is exact.
 constexpr int MAGIC = 0x4B400000;
-__device__ __forceinline__ float magic_to_float(int magic_plus_s) { return sub_rn(__int_as_float(magic_plus_s), 12582912.0f); }
+// The dp4a engine's nibbles in place (decode_word, decode_paired: IN_PLACE): a high nibble masked where it lies is
+// 16 times its code, so its dot product, read unsigned (dp4a_us), is 16 s, a shift a word fewer than moving it down.
+// A chain of such words ends at IN_PLACE_MAGIC + 16 s, which is 1.5*2^19 + s as a float (its mantissa step is 1/16;
+// |s| < 2^18): Q4_K's block 1 of a pair, all high nibbles, starts its chain there; Q4_0/Q4_1, whose words 4..7 are
+// a block's high nibbles, take the chain of words 0..3 to 16 times itself by one multiply-add (to_in_place). Q5_K's
+// block 1 (block j of its super-block, j odd) at one row also keeps its fifth bits in place, bit j of each byte (2^j
+// times the bit) as a second addend: their chain, times 2^(8-j), starts the nibbles' (16 * 16 per fifth bit), two
+// masks and two dp4a a word where moving nibble and bit down took four instructions and one dp4a.
+constexpr int IN_PLACE_MAGIC = 0x49400000;
+__device__ __forceinline__ float magic_to_float(int magic_plus_s, bool in_place = false) {
+    return sub_rn(__int_as_float(magic_plus_s), in_place ? 786432.0f : 12582912.0f);
+}
+__device__ __forceinline__ int to_in_place(int magic_plus_s) {
+    return (int)((u32)magic_plus_s * 16u + ((u32)IN_PLACE_MAGIC - 16u * (u32)MAGIC));
+}
+
+// The sum of a block's activations 0..15 (its first 16 bytes, q_low): Q6_K's low half.
+__device__ __forceinline__ int low_half_sum(int4 q_low) {
+    return __dp4a(0x01010101, q_low.w, __dp4a(0x01010101, q_low.z, __dp4a(0x01010101, q_low.y,
+                  __dp4a(0x01010101, q_low.x, 0))));
+}
 
 // What one activation row of one block contributes to every weight column's term.
 template <int CB>
@@ -359,13 +486,35 @@ struct RowBlock {
         return RowBlock{d_a, magic_to_float(MAGIC + s_a), MAGIC - Traits<CB>::OFFSET * s_a};
     }
 
-    // The block's term t (§1, §2) from the biased integer dot products bias + Σuq with a weight column, one per half.
+    // A staged block keeps beside d_a the one value of its activation sums that its codebook's terms use, made once per
+    // CTA instead of once per block and column: the bits of float(s_a) (asymmetric codebooks), the bias (an offset),
+    // Q6_K's two half sums (`low` of elements 0..15 in bits 0-15, the rest above: each at most 16 * 127 in magnitude),
+    // else s_a; of_staged takes it back.
+    static __device__ __forceinline__ int staged_word(int s_a, int4 q_low) {
+        if (CB == Q6_K) {
+            const int low = low_half_sum(q_low);
+            return (low & 0xFFFF) | ((s_a - low) << 16);
+        }
+        const RowBlock r = of(0.0f, s_a);
+        return Traits<CB>::ASYM ? __float_as_int(r.sum_a) : Traits<CB>::OFFSET ? r.bias : s_a;
+    }
+    static_assert(!Traits<CB>::ASYM || Traits<CB>::OFFSET == 0, "a staged word is float(s_a) or the bias, not both");
+    static __device__ __forceinline__ RowBlock of_staged(float d_a, int word) {
+        return RowBlock{d_a, Traits<CB>::ASYM ? __int_as_float(word) : 0.0f, Traits<CB>::OFFSET ? word : MAGIC};
+    }
+
+    // The block's term t (§1, §2) from the biased integer dot products bias + Σuq with a weight column, one per half
+    // (in_place: IN_PLACE_MAGIC + 16 Σuq).
     __device__ __forceinline__ float term(const int (&biased)[Traits<CB>::HALVES],
-                                          const float (&d_w)[Traits<CB>::HALVES], float m_w) const {
-        float t = mul_rn(mul_rn(d_a, d_w[0]), magic_to_float(biased[0]));
+                                          const float (&d_w)[Traits<CB>::HALVES], float m_w,
+                                          bool in_place = false) const {
+        float t = mul_rn(mul_rn(d_a, d_w[0]), magic_to_float(biased[0], in_place));
         if (Traits<CB>::HALVES == 2)
             t = add_rn(t, mul_rn(mul_rn(d_a, d_w[Traits<CB>::HALVES - 1]), magic_to_float(biased[Traits<CB>::HALVES - 1])));
-        if (Traits<CB>::ASYM) t = add_rn(t, mul_rn(mul_rn(d_a, m_w), sum_a));
+        if (Traits<CB>::ASYM) {
+            const float min_term = mul_rn(mul_rn(d_a, m_w), sum_a);
+            t = Traits<CB>::MIN_SUBTRACTED ? sub_rn(t, min_term) : add_rn(t, min_term);
+        }
         return t;
     }
 };
@@ -484,9 +633,9 @@ __device__ __forceinline__ void fold_last(float* __restrict__ ws, float* __restr
         fold_columns<1, FLOATS>(partials, out, S, M, N, col_begin, cols, tid, threads);
     if (tid == 0) tickets[blockIdx.x] = 0u;  // every CTA of the range has drawn its ticket
 }
-// Fold budgets per engine (floats in flight per folding thread): the dp4a and register engines hold their main
-// loop's loads in registers, the ring holds its in shared memory.
-constexpr int FOLD_FLOATS_DP4A = 8, FOLD_FLOATS_REGISTERS = 16, FOLD_FLOATS_RING = 32;
+// Fold budgets per engine (floats in flight per folding thread): the dp4a engine holds its main loop's loads in
+// registers, the ring holds its in shared memory.
+constexpr int FOLD_FLOATS_DP4A = 8, FOLD_FLOATS_RING = 32;
 
 // One column's weights for one group of G blocks (dp4a engine): the group's payload rows, its high bits, and the
 // scales of its blocks (legacy: read from the planes; super-block formats: derived per block). G is the format's
@@ -506,37 +655,41 @@ struct ColumnGroup {
     // SPAN of blocks). A super-block group's rows outside [r_begin, r_end), the rows of the partition's blocks
     // (their pairs or quads whole), load one inside it again (an L1 hit), so a partition that cuts a super-block
     // reads no other partition's bytes.
-    __device__ __forceinline__ void load(const Planes& P, int grp, int col, int N, bool fresh, int r_begin, int r_end) {
+    // EDGE = false: the caller knows the group's rows lie inside [r_begin, r_end). Each value is read by `read` (Ldg;
+    // PrefetchL2 asks for the group's lines and holds nothing).
+    template <bool EDGE = true, typename Read = Ldg>
+    __device__ __forceinline__ void load(const Planes& P, int grp, int col, int N, bool fresh, int r_begin, int r_end,
+                                         Read read = Read()) {
         const int b0 = grp * G;
 #pragma unroll
         for (int i = 0; i < G; ++i) {
-            const int b = G > T::GROUP ? min(max(b0 + i, r_begin), r_end - 1) : b0 + i;
+            const int b = G > T::GROUP && EDGE ? min(max(b0 + i, r_begin), r_end - 1) : b0 + i;
             const u64 at = (u64)b * N + col;
 #pragma unroll
             for (int v = 0; v < T::WORDS / 4; ++v) {
-                const uint4 x = __ldg(reinterpret_cast<const uint4*>(P.payload + at * T::WORDS) + v);
+                const uint4 x = read(reinterpret_cast<const uint4*>(P.payload + at * T::WORDS) + v);
                 w[i][4 * v] = x.x, w[i][4 * v + 1] = x.y, w[i][4 * v + 2] = x.z, w[i][4 * v + 3] = x.w;
             }
             if (CB == Q6_K) {
-                const uint2 h = __ldg(reinterpret_cast<const uint2*>(P.high) + at);
+                const uint2 h = read(reinterpret_cast<const uint2*>(P.high) + at);
                 qh[2 * i] = h.x, qh[2 * i + 1] = h.y;
             }
         }
         if (!T::SUPER) {
             const u64 at = (u64)b0 * N + col;
-            qh[0] = T::HIGH ? __ldg(P.high + at) : 0u;
-            d = half_bits_to_float(__ldg(P.scale + at));
-            dmin = T::ASYM ? half_bits_to_float(__ldg(P.minv + at)) : 0.0f;
+            qh[0] = T::HIGH ? read(P.high + at) : 0u;
+            d = half_bits_to_float(read(P.scale + at));
+            dmin = T::ASYM ? half_bits_to_float(read(P.minv + at)) : 0.0f;
         } else if (fresh) {
             const int sb = b0 >> 3;
             const u64 at = (u64)sb * N + col;
-            d = half_bits_to_float(__ldg(P.scale + at));
-            dmin = T::ASYM ? half_bits_to_float(__ldg(P.minv + at)) : 0.0f;
-            sub = load_sub<CB>(P.sub, at, b0);
+            d = half_bits_to_float(read(P.scale + at));
+            dmin = T::ASYM ? half_bits_to_float(read(P.minv + at)) : 0.0f;
+            sub = load_sub<CB>(P.sub, at, b0, read);
             if (CB == Q4_K || CB == Q5_K) sub = sub.k6_unpacked();
             if (CB == Q5_K)
 #pragma unroll
-                for (int i = 0; i < 8; ++i) qh[i] = __ldg(P.high + (u64)(8 * sb + i) * N + col);
+                for (int i = 0; i < 8; ++i) qh[i] = read(P.high + (u64)(8 * sb + i) * N + col);
         }
     }
 
@@ -550,9 +703,10 @@ struct ColumnGroup {
 
     // Block u of the group (block b of the matrix): int8 words v[0][k] = elements 4k..4k+3, its scales and min;
     // SELECTOR_ORDER (lookup codebooks): v[0] and v[1] the two addends of iq4nl_addends in iq4nl_pairs' order, for
-    // activations staged in it (to_selector_order).
-    template <bool SELECTOR_ORDER, bool RAW6>
-    __device__ __forceinline__ void block(int u, int b, int (&v)[1 + SELECTOR_ORDER][8], float (&d_w)[T::HALVES],
+    // activations staged in it (to_selector_order). IN_PLACE: nibbles in place (IN_PLACE_MAGIC); with two addends,
+    // Q5_K's odd block holds its fifth bits in place in v[1].
+    template <bool SELECTOR_ORDER, bool RAW6, bool IN_PLACE, int ADDENDS>
+    __device__ __forceinline__ void block(int u, int b, int (&v)[ADDENDS][8], float (&d_w)[T::HALVES],
                                           float& m_w) const {
         static_assert(!SELECTOR_ORDER || T::TABLE, "the selector order is the lookup's");
 #pragma unroll
@@ -563,14 +717,20 @@ struct ColumnGroup {
                 v[0][2 * k] = (int)low[0], v[0][2 * k + 1] = (int)low[1];
                 v[1][2 * k] = (int)high[0], v[1][2 * k + 1] = (int)high[1];
             } else if constexpr (T::GROUP == 1) {
-                decode_word<CB>(w[u][k], w[u][CB == Q8_0 ? k + 4 : k], qh[0], k, v[0][k], v[0][k + 4]);
+                decode_word<CB, IN_PLACE>(w[u][k], w[u][CB == Q8_0 ? k + 4 : k], qh[0], k, v[0][k], v[0][k + 4]);
             } else if constexpr (CB == Q6_K) {
                 const int r = 2 * (u & 1);
                 decode_paired<CB, RAW6>(w[r][k], w[r + 1][k], q6k_high(qh[k], u), q6k_high(qh[4 + k], u), u, v[0][k],
                                         v[0][k + 4]);
             } else {
-                const u32 h0 = CB == Q5_K ? q5k_high(qh[k], b & 7) : 0u, h1 = CB == Q5_K ? q5k_high(qh[4 + k], b & 7) : 0u;
-                decode_paired<CB>(w[u & ~1][k], w[u | 1][k], h0, h1, u & 1, v[0][k], v[0][k + 4]);
+                const bool bits_apart = CB == Q5_K && ADDENDS == 2 && (u & 1);
+                const u32 h0 = CB == Q5_K && !bits_apart ? q5k_high(qh[k], b & 7) : 0u;
+                const u32 h1 = CB == Q5_K && !bits_apart ? q5k_high(qh[4 + k], b & 7) : 0u;
+                decode_paired<CB, false, IN_PLACE>(w[u & ~1][k], w[u | 1][k], h0, h1, u & 1, v[0][k], v[0][k + 4]);
+                if (bits_apart) {
+                    const u32 bit = 0x01010101u << (b & 7);
+                    v[ADDENDS - 1][k] = (int)(qh[k] & bit), v[ADDENDS - 1][k + 4] = (int)(qh[4 + k] & bit);
+                }
             }
         }
         if (T::SUPER) {
@@ -580,6 +740,44 @@ struct ColumnGroup {
         }
     }
 };
+
+// The integer chains of a decoded block (v: ColumnGroup::block's words, block u of its group, block j of its
+// super-block) with one activation row's words xq: s[h] = bias[h] + Σuq of each half, or where the chains end in
+// place (the return value) IN_PLACE_MAGIC + 16 Σuq. u and j are compile-time facts once the caller's loop is unrolled.
+template <int CB, bool IN_PLACE, bool SELECTOR_ORDER, int ADDENDS>
+__device__ __forceinline__ bool block_chains(const int (&v)[ADDENDS][8], const int (&xq)[8],
+                                             const int (&bias)[Traits<CB>::HALVES], int u, int j,
+                                             int (&s)[Traits<CB>::HALVES]) {
+    if (IN_PLACE && Traits<CB>::GROUP == 2 && (u & 1)) {  // Q4_K/Q5_K's block 1 of a pair: every word in place
+        s[0] = IN_PLACE_MAGIC;  // the K-quants have no offset
+        if (ADDENDS == 2) {  // Q5_K: the chain of its fifth bits (2^j times each) first, times 2^(8-j)
+            int bits = 0;
+#pragma unroll
+            for (int k = 0; k < 8; ++k) bits = dp4a_us(v[ADDENDS - 1][k], xq[k], bits);
+            s[0] = (int)((u32)bits * (256u >> j) + (u32)IN_PLACE_MAGIC);
+        }
+#pragma unroll
+        for (int k = 0; k < 8; ++k) s[0] = dp4a_us(v[0][k], xq[k], s[0]);
+        return true;
+    }
+    if (IN_PLACE && Traits<CB>::GROUP == 1) {  // Q4_0/Q4_1: words 4..7 in place, the chain of words 0..3 moved there
+        s[0] = bias[0];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) s[0] = __dp4a(v[0][k], xq[k], s[0]);
+        s[0] = to_in_place(s[0]);
+#pragma unroll
+        for (int k = 4; k < 8; ++k) s[0] = dp4a_us(v[0][k], xq[k], s[0]);
+        return true;
+    }
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+        const int h = k < 4 ? 0 : Traits<CB>::HALVES - 1;  // Q6_K: the high half apart
+        s[h] = __dp4a(v[0][k], xq[k], k == 0 || (k == 4 && h == 1) ? bias[h] : s[h]);
+#pragma unroll
+        for (int a = 1; a <= SELECTOR_ORDER; ++a) s[h] = __dp4a(v[a][k], xq[k], s[h]);  // the lookup's second addend
+    }
+    return false;
+}
 
 // One activation row of one block (block-major: at = b * M + m): its 32 int8 values, d_a and the integer sum.
 struct ActivationRow {
@@ -593,16 +791,22 @@ struct ActivationRow {
                              __ldg(reinterpret_cast<const int4*>(qa) + 2 * at + 1), __ldg(da + at), __ldg(sa + at)};
     }
 
-    // Staged block j of a CTA (gemv_staged): rows q[2j], q[2j+1], then {d_a bits, s_a} at ds[j].
+    // Staged block j of a CTA (gemv_staged): rows q[2j], q[2j+1], then {d_a bits, RowBlock::staged_word} at ds[j]
+    // (in s_a).
     static __device__ __forceinline__ ActivationRow staged(const int4* q, const int2* ds, int j) {
         return ActivationRow{q[2 * j], q[2 * j + 1], __int_as_float(ds[j].x), ds[j].y};
     }
 };
 
-// A block of one activation row staged in shared memory (gemv_staged): its 32 int8 values, then {d_a bits, s_a}
-// in an array behind the rows (kernels.registry.STAGED_BLOCK_BYTES).
+// A block of one activation row staged in shared memory (gemv_staged): its 32 int8 values, then {d_a bits,
+// RowBlock::staged_word} in an array behind the rows (kernels.registry.STAGED_BLOCK_BYTES).
 constexpr int STAGED_BLOCK_BYTES = 40;
 static_assert(STAGED_BLOCK_BYTES == 2 * sizeof(int4) + sizeof(int2), "a staged block is its row and {d_a, s_a}");
+
+template <bool B>
+struct Flag {  // a compile-time bool as a value (a generic lambda's argument)
+    static constexpr bool value = B;
+};
 
 // The dp4a engine's body. STAGE (M = 1, gemv_staged): the CTA first copies the activation blocks its threads walk
 // (direct and wide: all KB; kpar: its partition) into shared memory behind the direct family's partials, and the
@@ -634,6 +838,24 @@ __device__ __forceinline__ void dp4a_partial(GEMV_PARAMS) {
     // Q6_K's 6-bit codes uncentred (centre6) where a block's decode serves at most two rows: the half sums each row
     // then needs cost less than the centring they spare.
     constexpr bool RAW6 = CB == Q6_K && MT <= 2;
+    // High nibbles in place (IN_PLACE_MAGIC): Q4_K's odd blocks always; Q5_K's at one row (a row then takes a second
+    // chain and a multiply-add, the block's decode two instructions a word fewer); Q4_0/Q4_1's where a block's decode
+    // serves at most two rows (a row's chain then takes a multiply-add, the block's decode four shifts fewer).
+    constexpr bool IN_PLACE = CB == Q4_K || (CB == Q5_K && MT == 1) || ((CB == Q4_0 || CB == Q4_1) && MT <= 2);
+    constexpr int ADDENDS = SELECTOR_ORDER || (CB == Q5_K && IN_PLACE) ? 2 : 1;  // v's words per payload word
+    // The staged walks' ring: each batch's bytes reach shared memory by cp.async while the thread computes the batch
+    // before (CopyTo, CopiedFrom), where a load of its own would wait a DRAM round trip per batch. Where the launch
+    // gives shared memory past the staged blocks (kernels.registry.Candidate.shared_bytes: PIPE_SLOTS slots per
+    // thread, where they fit and the thread's walk is long) and N is even; else the walk loads as the others do. Not
+    // Q8_0's: its copies cost more than they hide (registry.PIPE_GROUP_BYTES has no Q8_0 slot). A slot holds a batch:
+    // BATCH groups of CC columns (a super-block, Q6_K a quad, else a block, each of one column or two).
+    constexpr bool PIPE = STAGE && CB != Q8_0;
+    constexpr int PIPE_SLOTS = 2;
+    // A group's 16-byte cells: its payload rows (Q6_K: and their high words, and the quad's scales); 4-byte cells: d,
+    // dmin, the sub-block scales' reads, Q5_K's qh words, a legacy block's high bits.
+    constexpr int PIPE_WIDE = BATCH * CC * (G * T::WORDS / 4 + (CB == Q6_K ? G + 1 : 0));
+    constexpr int PIPE_NARROW =
+        BATCH * CC * (1 + T::ASYM + (T::SUPER ? (CB == Q6_K ? 0 : 3) + (CB == Q5_K ? 8 : 0) : T::HIGH));
     DYNAMIC_SHARED(float, partials);  // direct family: [S-1][MT][blockDim.x*CPT], then (STAGE) the staged blocks
     const Planes P{payload, high, scale, minv, sub};
 
@@ -649,28 +871,70 @@ __device__ __forceinline__ void dp4a_partial(GEMV_PARAMS) {
     // A group whose super-block fields are (re)loaded: the partition's first, and the first of each SPAN.
     auto starts_span = [&](int grp) { return grp == g_begin || (grp * G) % T::SPAN == 0; };
     const int stage_begin = GRID_SPLIT ? b_begin : 0, staged = (GRID_SPLIT ? b_end : KB) - stage_begin;
+    // Every CTA lays out the room Candidate.shared_bytes gives it (kpar: a whole partition's blocks), not the blocks
+    // it stages: past a short last partition's blocks lies the room of those it lacks, not the ring.
+    const int stage_room = GRID_SPLIT ? width : KB;
     int4* stage_q = reinterpret_cast<int4*>(partials + (GRID_SPLIT ? 0 : (S - 1) * MT * blockDim.x * CPT));
-    int2* stage_ds = reinterpret_cast<int2*>(stage_q + 2 * staged);
+    int2* stage_ds = reinterpret_cast<int2*>(stage_q + 2 * stage_room);
+    const int tid = threadIdx.x + blockDim.x * threadIdx.y, threads = blockDim.x * blockDim.y;
+    unsigned char* const ring = reinterpret_cast<unsigned char*>(partials) +
+        ((reinterpret_cast<unsigned char*>(stage_ds + stage_room) - reinterpret_cast<unsigned char*>(partials) + 15) &
+         ~15);
+    const bool pipe = PIPE && N % 2 == 0 && (u32)(ring - reinterpret_cast<unsigned char*>(partials)) < dynamic_shared_bytes();
+    auto ring_slot = [&](int k) {
+        unsigned char* const wide = ring + 16 * threads * PIPE_WIDE * k;
+        return RingSlot{wide + 16 * tid, ring + 16 * threads * PIPE_WIDE * PIPE_SLOTS + 4 * threads * PIPE_NARROW * k +
+                        4 * tid, 16u * threads, 4u * threads};
+    };
 
+    // Group i of column c of the batch g0... of columns column0..., as `batch` loads it (past the end: the last group
+    // again), loaded into to(i, c) through `read` (CopyTo, CopiedFrom: the same cells, in the same order).
+    auto ring_batch = [&](int g0, int column0, auto to, auto read) {
+#pragma unroll
+        for (int i = 0; i < BATCH; ++i)
+#pragma unroll
+            for (int c = 0; c < CC; ++c) {
+                const int grp = min(g0 + i, g_end - 1);
+                to(i, c).template load<true>(P, grp, column0 + c, N, starts_span(grp), r_begin, r_end, read);
+            }
+    };
+    // The batch g0... into ring slot k (past the partition: nothing), then a commit: the ring waits for all but its
+    // newest commit.
+    auto copy_batch = [&](int g0, int column0, int k) {
+        if (g0 < g_end) {
+            int cells[2] = {0, 0};
+            ColumnGroup<CB, G> copied[BATCH][CC];  // holds nothing: CopyTo reads zeros
+            ring_batch(g0, column0, [&](int i, int c) -> ColumnGroup<CB, G>& { return copied[i][c]; },
+                       CopyTo(ring_slot(k), cells));
+        }
+        cp_async_commit();
+    };
+    if (PIPE && pipe && live) copy_batch(g_begin, col0, 0);  // in flight while the CTA stages its activations
+    // Staged, without the ring: the thread's first batch of weights heads for L2 while the CTA stages its activations,
+    // so the launch's first DRAM round trip overlaps the staging's instead of following its barrier. A walk of one or
+    // two batches skips it: there the prefetches would be a third to a half of the thread's memory instructions.
+    if (STAGE && live && !pipe && g_end - g_begin > 2 * BATCH)
+#pragma unroll
+        for (int i = 0; i < BATCH; ++i) {
+            const int grp = min(g_begin + i, g_end - 1);  // as the first batch clamps it
+#pragma unroll
+            for (int c = 0; c < CC; ++c)
+                ColumnGroup<CB, G>().load(P, grp, col0 + c, N, starts_span(grp), r_begin, r_end, PrefetchL2());
+        }
     for (int m0 = 0; m0 < M; m0 += MT) {
         const int rows = min(MT, M - m0);
         if (STAGE) {
             if (m0 > 0) __syncthreads();  // every thread has read the previous row
-            const int tid = threadIdx.x + blockDim.x * threadIdx.y, threads = blockDim.x * blockDim.y;
-            if constexpr (SELECTOR_ORDER) {
-                for (int i = tid; i < staged; i += threads) {
-                    const int4* q = reinterpret_cast<const int4*>(qa) + 2 * ((u64)(stage_begin + i) * M + m0);
-                    int4 q0 = __ldg(q), q1 = __ldg(q + 1);
-                    to_selector_order(q0, q1);
-                    stage_q[2 * i] = q0, stage_q[2 * i + 1] = q1;
-                }
-            } else {
-                for (int i = tid; i < 2 * staged; i += threads)
-                    stage_q[i] = __ldg(reinterpret_cast<const int4*>(qa) + 2 * ((u64)(stage_begin + i / 2) * M + m0) + i % 2);
-            }
+            // A thread loads a block's row, d_a and s_a together, one L2 round trip for each of its blocks, where a pass
+            // over the rows' 16-byte halves and another over the sums took three. (One block at a time: why not more,
+            // bench/NOTES.md, row 52.)
             for (int i = tid; i < staged; i += threads) {
                 const u64 at = (u64)(stage_begin + i) * M + m0;
-                stage_ds[i] = make_int2(__float_as_int(__ldg(da + at)), __ldg(sa + at));
+                const int4* q = reinterpret_cast<const int4*>(qa) + 2 * at;
+                int4 q0 = __ldg(q), q1 = __ldg(q + 1);
+                stage_ds[i] = make_int2(__float_as_int(__ldg(da + at)), RowBlock<CB>::staged_word(__ldg(sa + at), q0));
+                if constexpr (SELECTOR_ORDER) to_selector_order(q0, q1);
+                stage_q[2 * i] = q0, stage_q[2 * i + 1] = q1;
             }
             __syncthreads();
         }
@@ -689,20 +953,16 @@ __device__ __forceinline__ void dp4a_partial(GEMV_PARAMS) {
             ColumnGroup<CB, G> col[BATCH][CC];
             ColumnGroup<CB, G> carry[T::SUPER && BATCH > 1 ? CC : 1];
             ActivationRow act[ROW_AHEAD ? BATCH : 1];
-#pragma unroll(BATCH == 1 ? UNROLL : 1)
-            for (int g0 = g_begin; g0 < g_end; g0 += BATCH) {
-#pragma unroll
-                for (int i = 0; i < BATCH; ++i) {
-                    const int grp = min(g0 + i, g_end - 1);  // past the end: the last block again (an L1 hit)
-#pragma unroll
-                    for (int c = 0; c < CC; ++c)
-                        col[i][c].load(P, grp, col0 + c0 + c, N, starts_span(grp), r_begin, r_end);
-                    if (ROW_AHEAD) act[i] = ActivationRow::load(qa, da, sa, (u64)grp * M + m0);
-                }
+            // The batch of groups g0...; EDGE: the batch may reach past the partition (its groups past the end load
+            // the last again and are skipped, a group's rows are clamped and its blocks checked), else it lies inside
+            // it (no clamp, no check: the interior of a one-row walk).
+            // The blocks of the batch's groups once `col` holds them.
+            auto compute = [&](const int g0, auto edge) {
+                constexpr bool EDGE = decltype(edge)::value;
 #pragma unroll
                 for (int i = 0; i < BATCH; ++i) {
                     const int grp = g0 + i;
-                    if (BATCH > 1 && grp >= g_end) break;  // uniform
+                    if (BATCH > 1 && EDGE && grp >= g_end) break;  // uniform
                     if (T::SUPER && BATCH > 1)
 #pragma unroll
                         for (int c = 0; c < CC; ++c)
@@ -710,25 +970,31 @@ __device__ __forceinline__ void dp4a_partial(GEMV_PARAMS) {
 #pragma unroll
                     for (int u = 0; u < G; ++u) {
                         const int b = grp * G + u;
-                        if (G > 1 && (b < b_begin || b >= b_end)) continue;  // uniform: the group's edge
+                        if (G > 1 && EDGE && (b < b_begin || b >= b_end)) continue;  // uniform: the group's edge
                         // Decode each weight block once per row tile.
-                        int v[CC][1 + SELECTOR_ORDER][8];
+                        int v[CC][ADDENDS][8];
                         float dw[CC][H], mw[CC];
 #pragma unroll
-                        for (int c = 0; c < CC; ++c) col[i][c].template block<SELECTOR_ORDER, RAW6>(u, b, v[c], dw[c], mw[c]);
+                        for (int c = 0; c < CC; ++c)
+                            col[i][c].template block<SELECTOR_ORDER, RAW6, IN_PLACE>(u, b, v[c], dw[c], mw[c]);
 #pragma unroll
                         for (int r = 0; r < MT; ++r) {
                             if (r < rows) {
                                 const ActivationRow x = ROW_AHEAD ? act[i]
                                                       : STAGE ? ActivationRow::staged(stage_q, stage_ds, b - stage_begin)
                                                               : ActivationRow::load(qa, da, sa, (u64)b * M + m0 + r);
-                                const RowBlock<CB> row = RowBlock<CB>::of(x.d_a, x.s_a);
+                                const RowBlock<CB> row = STAGE ? RowBlock<CB>::of_staged(x.d_a, x.s_a)
+                                                               : RowBlock<CB>::of(x.d_a, x.s_a);
                                 const int xq[8] = {x.q0.x, x.q0.y, x.q0.z, x.q0.w, x.q1.x, x.q1.y, x.q1.z, x.q1.w};
                                 int bias[H];  // each half's chain start; RAW6: MAGIC - 32 * the half's activation sum
                                 if constexpr (RAW6) {
-                                    const int low = __dp4a(0x01010101, xq[3], __dp4a(0x01010101, xq[2],
-                                                    __dp4a(0x01010101, xq[1], __dp4a(0x01010101, xq[0], 0))));
-                                    bias[0] = MAGIC - Q6_K_OFFSET * low, bias[H - 1] = MAGIC - Q6_K_OFFSET * (x.s_a - low);
+                                    int low, high;
+                                    if constexpr (STAGE) {  // the staged half sums (RowBlock::staged_word)
+                                        low = (x.s_a << 16) >> 16, high = x.s_a >> 16;
+                                    } else {
+                                        low = low_half_sum(x.q0), high = x.s_a - low;
+                                    }
+                                    bias[0] = MAGIC - Q6_K_OFFSET * low, bias[H - 1] = MAGIC - Q6_K_OFFSET * high;
                                 } else {
 #pragma unroll
                                     for (int h = 0; h < H; ++h) bias[h] = row.bias;
@@ -736,20 +1002,52 @@ __device__ __forceinline__ void dp4a_partial(GEMV_PARAMS) {
 #pragma unroll
                                 for (int c = 0; c < CC; ++c) {
                                     int s[H];
-#pragma unroll
-                                    for (int k = 0; k < 8; ++k) {
-                                        const int h = k < 4 ? 0 : H - 1;  // Q6_K: the high half apart
-                                        const int in = k == 0 || (H == 2 && k == 4) ? bias[h] : s[h];
-                                        s[h] = __dp4a(v[c][0][k], xq[k], in);
-#pragma unroll
-                                        for (int a = 1; a <= SELECTOR_ORDER; ++a) s[h] = __dp4a(v[c][a][k], xq[k], s[h]);
-                                    }
-                                    acc[r][c0 + c] = add_rn(acc[r][c0 + c], row.term(s, dw[c], mw[c]));
+                                    const bool in_place =
+                                        block_chains<CB, IN_PLACE, SELECTOR_ORDER>(v[c], xq, bias, u, b & 7, s);
+                                    acc[r][c0 + c] = add_rn(acc[r][c0 + c], row.term(s, dw[c], mw[c], in_place));
                                 }
                             }
                         }
                     }
                 }
+            };
+            auto batch = [&](const int g0, auto edge) {
+                constexpr bool EDGE = decltype(edge)::value;
+#pragma unroll
+                for (int i = 0; i < BATCH; ++i) {
+                    const int grp = EDGE ? min(g0 + i, g_end - 1) : g0 + i;  // past the end: the last again (an L1 hit)
+#pragma unroll
+                    for (int c = 0; c < CC; ++c)
+                        col[i][c].template load<EDGE>(P, grp, col0 + c0 + c, N, starts_span(grp), r_begin, r_end);
+                    if (ROW_AHEAD) act[i] = ActivationRow::load(qa, da, sa, (u64)grp * M + m0);
+                }
+                compute(g0, edge);
+            };
+            if (PIPE && pipe) {  // batch g0 + BATCH copied while g0 is computed
+                if (c0 > 0) copy_batch(g_begin, col0 + c0, 0);
+                for (int g0 = g_begin, k = 0; g0 < g_end; g0 += BATCH, k ^= 1) {
+                    copy_batch(g0 + BATCH, col0 + c0, k ^ 1);
+                    cp_async_wait<1>();  // all but the newest: batch g0's copies have landed
+                    int cells[2] = {0, 0};
+                    ring_batch(g0, col0 + c0, [&](int i, int c) -> ColumnGroup<CB, G>& { return col[i][c]; },
+                               CopiedFrom{ring_slot(k), cells});
+                    compute(g0, Flag<true>());
+                }
+                continue;
+            }
+            // One row, several blocks a group or batched groups (at two rows, the interior's copy of the body took
+            // Q4_K's kernels from 69-85 registers to 89-104; at eight it spilled Q5_K's): in ascending order a partial
+            // first group's batch (several blocks a group), the whole batches, the rest. Not IQ4_XS's super-block walk:
+            // its staged launches ran 1.2-1.3x slower in three loops (bench/NOTES.md, row 54).
+            if constexpr (MT == 1 && (G > 1 || BATCH > 1) && !(CB == IQ4_XS && SUPER_WALK)) {
+                const int inner_begin = (b_begin + G - 1) / G, inner_end = b_end / G;  // the groups inside
+                int g0 = g_begin;
+                for (; g0 < inner_begin; g0 += BATCH) batch(g0, Flag<true>());  // once at most
+                for (; g0 + BATCH <= inner_end; g0 += BATCH) batch(g0, Flag<false>());
+                for (; g0 < g_end; g0 += BATCH) batch(g0, Flag<true>());
+            } else {
+#pragma unroll(BATCH == 1 ? UNROLL : 1)
+                for (int g0 = g_begin; g0 < g_end; g0 += BATCH) batch(g0, Flag<true>());
             }
           }
         }
@@ -827,68 +1125,46 @@ inline void mma_s8(const int (&a)[4], int b0, int b1, const int (&c_in)[4], int 
 }
 #endif
 
-// A lane's weight words for one (group, 8-output tile) of a super-block format: word t of its B column's payload
-// rows and (Q6_K) the qh words of elements 4t.. and 16+4t.. of the quad.
-template <int CB>
-struct TileWords {
-    u32 w[Traits<CB>::GROUP], high[2];
-};
-
-// A lane's super-block fields for one tile: fp16 pairs of d (and dmin) of its two C columns and their sub-block
-// scales.
-struct TileSuper {
-    u32 d, dmin;
-    SubScales sub[2];
-};
-
-template <int CB>
-__device__ __forceinline__ TileSuper load_tile_super(const Planes& P, int b0, int col, int t, int N) {
-    TileSuper s;
-    const u64 at = block_index(b0 >> 3, N, col + 2 * t);  // C column 2t of the tile; N even: the pairs are aligned
-    s.d = __ldg(reinterpret_cast<const u32*>(P.scale + at));
-    s.dmin = Traits<CB>::ASYM ? __ldg(reinterpret_cast<const u32*>(P.minv + at)) : 0u;
-    s.sub[0] = load_sub<CB>(P.sub, at, b0);
-    s.sub[1] = load_sub<CB>(P.sub, at + 1, b0);
-    return s;
+// A block's integer dot products into C from c_in: one mma, or for Q6_K, whose halves have a scale each, one per half
+// (the other half's k columns zero in B).
+template <int H>
+__device__ __forceinline__ void mma_block(const int (&a)[4], int b0, int b1, const int (&c_in)[4], int (&c)[H][4]) {
+    if constexpr (H == 2) {
+        mma_s8(a, b0, 0, c_in, c[0]);
+        mma_s8(a, 0, b1, c_in, c[1]);
+    } else {
+        mma_s8(a, b0, b1, c_in, c[0]);
+    }
 }
 
-// One block's contribution to one 8-output tile of a warp, both engines: the mma (two for Q6_K's halves) of each M tile
-// with the tile's decoded B words `b[0]` (elements 4t.., 16+4t..; the lookup codebooks' ring: X = 2 addends in selector
-// order, an mma each, its A fragments in that order too), then the terms of the lane's C values in the contract's
-// order. `a`, `rows`: the A fragments and row data of the lane's C rows g and g+8 of each M tile; the pass starts at
-// row m0 of M (8-row halves past M are skipped: warp-uniform). The ring passes m0 = 0 and M = the rows left, a
-// compile-time constant in its whole chunks, so a block's instructions carry no branch and interleave with the next
-// block's. BIAS_C: the mma starts from the rows' biases (no add per term); the register engine adds them after: holding
-// them across its mma took its Q8_0 kernels (then on that engine) from 64 to 71 registers, and a build at 71 ran up to
-// 1.3x slower (bench/NOTES.md, version 16).
-template <int CB, int MTILES, bool BIAS_C, int X>
+// One block's contribution to one 8-output tile of a warp, the activations as A: the mma of each M tile with the
+// tile's decoded B words `b[0]` (elements 4t.., 16+4t..; the lookup codebooks: X = 2 addends in selector order, an mma
+// each, its A fragments in that order too), from the rows' biases (no add per term), then the terms of the lane's C
+// values in the contract's order. `a`, `rows`: the A fragments and row data of the lane's C rows g and g+8 of each M
+// tile; `left` rows of the pass lie below M (8-row halves past them are skipped: warp-uniform), a compile-time
+// constant in the ring's whole chunks, so a block's instructions carry no branch and interleave with the next block's.
+template <int CB, int MTILES, int X>
 __device__ __forceinline__ void mma_tile(const int (&a)[MTILES][4], const RowBlock<CB> (&rows)[MTILES][2],
                                          const int (&b)[X][2], const float (&d_w)[2][Traits<CB>::HALVES],
-                                         const float (&m_w)[2], int m0, int M, float (&acc)[MTILES][4]) {
+                                         const float (&m_w)[2], int left, float (&acc)[MTILES][4]) {
     constexpr int H = Traits<CB>::HALVES;
     static_assert(H == 1 || X == 1, "a Q6_K block's halves take one B word each");
 #pragma unroll
     for (int i = 0; i < MTILES; ++i) {
-        if (m0 + 16 * i >= M) break;
+        if (16 * i >= left) break;
         int c[H][4];
-        const int c0 = BIAS_C ? rows[i][0].bias : 0, c1 = BIAS_C ? rows[i][1].bias : 0;
-        const int c_in[4] = {c0, c0, c1, c1};  // C rows g, g+8
-        if (H == 2) {
-            mma_s8(a[i], b[0][0], 0, c_in, c[0]);
-            mma_s8(a[i], 0, b[0][1], c_in, c[H - 1]);
-        } else {
-            mma_s8(a[i], b[0][0], b[0][1], c_in, c[0]);
+        const int c_in[4] = {rows[i][0].bias, rows[i][0].bias, rows[i][1].bias, rows[i][1].bias};  // C rows g, g+8
+        mma_block<H>(a[i], b[0][0], b[0][1], c_in, c);
 #pragma unroll
-            for (int x = 1; x < X; ++x) mma_s8(a[i], b[x][0], b[x][1], c[0], c[0]);  // the lookup's second addend
-        }
+        for (int x = 1; x < X; ++x) mma_s8(a[i], b[x][0], b[x][1], c[0], c[0]);  // the lookup's second addend
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            if (h == 1 && m0 + 16 * i + 8 >= M) break;  // no rows g+8
+            if (h == 1 && 16 * i + 8 >= left) break;  // no rows g+8
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
                 int biased[H];
 #pragma unroll
-                for (int q = 0; q < H; ++q) biased[q] = BIAS_C ? c[q][2 * h + e] : c[q][2 * h + e] + rows[i][h].bias;
+                for (int q = 0; q < H; ++q) biased[q] = c[q][2 * h + e];
                 acc[i][2 * h + e] = add_rn(acc[i][2 * h + e], rows[i][h].term(biased, d_w[e], m_w[e]));
             }
         }
@@ -927,145 +1203,16 @@ __device__ __forceinline__ void zero(float (&acc)[NT][MTILES][4]) {
             for (int e = 0; e < 4; ++e) acc[j][i][e] = 0.0f;
 }
 
-// Register engine (Q6_K, whose quads of blocks share their payload rows): a warp owns 8*NT
-// consecutive outputs (N % 8 == 0, so a tile is wholly in or out) and M tiles of 16*MTILES rows. Weights of DEPTH
-// groups are loaded before any is used: 32 registers of loads in flight per lane keep HBM busy. No barriers, so a
-// warp past N returns (to the fold of gemv_mma).
-template <int CB, int NT, int MTILES, bool GRID_SPLIT>
-__device__ __forceinline__ void mma_registers(GEMV_PARAMS) {
-    typedef Traits<CB> T;
-    static_assert(!T::RING, "the ring codebooks take the ring");
-    constexpr int G = T::GROUP, H = T::HALVES;
-    constexpr int LANE_WORDS = G + 2 * (CB == Q6_K);
-    // Super-block fields held per tile (TileSuper): d and two columns' sub-block scales (Q6_K: 8 bytes each).
-    constexpr int SUPER_WORDS = 1 + T::ASYM + 2 * 2;
-    constexpr int BUDGET = 32 - NT * SUPER_WORDS;  // registers of loads in flight per lane
-    constexpr int DEPTH = BUDGET / (NT * LANE_WORDS) > 1 ? BUDGET / (NT * LANE_WORDS) : 1;
-    const Planes P{payload, high, scale, minv, sub};
-    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int n_warp = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * 8 * NT;
-    if (n_warp >= N) return;  // to gemv_mma, which may still fold
-    const int tiles = min(NT, (N - n_warp) / 8);  // warp-uniform
-    const int p = GRID_SPLIT ? blockIdx.y : 0;
-    const int b_begin = p * width;
-    const int b_end = min(KB, b_begin + width);
-    const int g_begin = b_begin / G, g_end = (b_end + G - 1) / G;
-    // The lane's word within a payload row and an activation row, added once: each load's address is then one
-    // IMAD.WIDE.U32 of its 32-bit index from these bases, plus an immediate offset.
-    const u32* __restrict__ payload_t = payload + t;
-    const int* __restrict__ qa_t = qa + t;
-
-    for (int m0 = 0; m0 < M; m0 += 16 * MTILES) {
-        float acc[NT][MTILES][4];
-        zero(acc);
-        TileSuper sup[NT];  // loaded before use: the first group of the partition is `fresh`
-
-        for (int gr0 = g_begin; gr0 < g_end; gr0 += DEPTH) {
-            TileWords<CB> tw[DEPTH][NT];
-#pragma unroll
-            for (int u = 0; u < DEPTH; ++u)
-#pragma unroll
-                for (int j = 0; j < NT; ++j) {
-                    TileWords<CB>& x = tw[u][j];
-                    x = TileWords<CB>{};
-                    if (gr0 + u < g_end && j < tiles) {
-                        const int b0 = (gr0 + u) * G;
-                        const u32 col = block_index(b0, N, n_warp + 8 * j);  // first output of the tile, first row
-#pragma unroll
-                        for (int i = 0; i < G; ++i) x.w[i] = __ldg(payload_t + (u64)(col + i * N + g) * T::WORDS);
-                        if (CB == Q6_K) {  // qh words of elements 4t.. (row t/2 of the quad) and 16+4t.. (row 2+t/2)
-                            x.high[0] = __ldg(high + (u64)(col + (t >> 1) * N + g) * 2 + (t & 1));
-                            x.high[1] = __ldg(high + (u64)(col + (2 + (t >> 1)) * N + g) * 2 + (t & 1));
-                        }
-                    }
-                }
-#pragma unroll
-            for (int u = 0; u < DEPTH; ++u) {
-                const int grp = gr0 + u;
-                if (grp >= g_end) break;  // warp-uniform
-                if (grp == g_begin || (grp * G) % T::SPAN == 0)
-#pragma unroll
-                    for (int j = 0; j < NT; ++j)
-                        if (j < tiles) sup[j] = load_tile_super<CB>(P, grp * G, n_warp + 8 * j, t, N);
-#pragma unroll
-                for (int ub = 0; ub < G; ++ub) {
-                    const int b = grp * G + ub;
-                    if (G > 1 && (b < b_begin || b >= b_end)) continue;  // warp-uniform: the group's edge
-                    int a[MTILES][4];
-                    RowBlock<CB> rows[MTILES][2];  // C rows g and g + 8 of each M tile
-#pragma unroll
-                    for (int i = 0; i < MTILES; ++i)
-#pragma unroll
-                        for (int h = 0; h < 2; ++h) {
-                            const int r = m0 + 16 * i + 8 * h + g;
-                            a[i][h] = a[i][2 + h] = 0;
-                            rows[i][h] = RowBlock<CB>::of(0.0f, 0);
-                            if (r < M) {
-                                const u32 ab = block_index(b, M, r);
-                                const int* q = qa_t + (u64)ab * 8;
-                                a[i][h] = __ldg(q);
-                                a[i][2 + h] = __ldg(q + 4);
-                                rows[i][h] = RowBlock<CB>::of(__ldg(da + (u64)ab), __ldg(sa + (u64)ab));
-                            }
-                        }
-#pragma unroll
-                    for (int j = 0; j < NT; ++j) {
-                        if (j >= tiles) break;  // warp-uniform
-                        const TileWords<CB>& x = tw[u][j];
-                        int lo, hi;
-                        float d_w[2][H], m_w[2] = {0.0f, 0.0f};
-                        const int r = 2 * (ub & 1);  // Q6_K: the quad's rows of block ub
-                        decode_paired<CB>(x.w[r], x.w[r + 1], q6k_high(x.high[0], ub), q6k_high(x.high[1], ub), ub, lo,
-                                          hi);
-#pragma unroll
-                        for (int e = 0; e < 2; ++e)
-                            derive<CB, false>(half_bits_to_float((u16)(sup[j].d >> (16 * e))),
-                                              half_bits_to_float((u16)(sup[j].dmin >> (16 * e))), sup[j].sub[e], b & 7,
-                                              d_w[e], m_w[e]);
-                        const int b[1][2] = {{lo, hi}};
-                        mma_tile<CB, MTILES, false>(a, rows, b, d_w, m_w, m0, M, acc[j]);
-                    }
-                }
-            }
-        }
-        mma_store<NT, MTILES, GRID_SPLIT>(acc, GRID_SPLIT ? ws + ticket_words(N) : out, p, m0, M, N, n_warp, tiles, g, t);
-    }
-}
-
-// Ring engine (bench/NOTES.md, version 9): every operand streamed into shared memory by cp.async through a 3-deep
-// ring of K chunks, so bytes stay in flight while the warps compute, at no register cost. A CTA is THREADS / 32
+// Ring engine (bench/NOTES.md, version 9): every operand streamed into shared memory by cp.async through a ring of
+// 3 (or 2) K chunks, so bytes stay in flight while the warps compute, at no register cost. A CTA is THREADS / 32
 // warps, 8*NT outputs each; a chunk holds KC blocks of the CTA's payload, scales (mins, high bits) and the pass's
 // activation rows, padded to 48 bytes so the fragment loads are conflict-free, and their (d_a, sum_a) pairs. Rows
 // past M and outputs past N are zero-filled by the copy itself (src-size 0). One barrier per chunk; every loop has a
-// compile-time trip count. Codebooks: Traits::RING. Q8_0's 32-byte payload rows are two 16-byte pieces
-// (ring_weights); Q4_K's chunks start on a pair of blocks, which shares its rows; the super-block formats stage
-// their super-blocks' d (dmin) and sub-block scales, and a pass behind a second barrier derives each block's scale
-// (min) once per chunk (ring_derive).
-// The copies take the ring's address in the shared state space (bytes), made once per CTA: converting a generic
-// pointer per copy cost the chunk's issue ~2 instructions a piece. The host simulator addresses bytes directly.
-#ifndef GEMV_HOSTSIM
-typedef u32 SharedBytes;
-__device__ __forceinline__ SharedBytes shared_at(const void* p) { return (u32)__cvta_generic_to_shared(p); }
-__device__ __forceinline__ void cp_async16(SharedBytes to, const void* gmem, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(to), "l"(gmem), "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async4(SharedBytes to, const void* gmem, bool valid) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(to), "l"(gmem), "r"(valid ? 4 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
-#else  // the host's copies complete at once
-typedef unsigned char* SharedBytes;
-inline SharedBytes shared_at(const void* p) { return (SharedBytes)p; }
-inline void cp_async16(SharedBytes to, const void* gmem, bool valid) { valid ? (void)std::memcpy(to, gmem, 16) : (void)std::memset(to, 0, 16); }
-inline void cp_async4(SharedBytes to, const void* gmem, bool valid) { valid ? (void)std::memcpy(to, gmem, 4) : (void)std::memset(to, 0, 4); }
-inline void cp_async_commit() {}
-template <int N>
-inline void cp_async_wait() {}
-#endif
+// compile-time trip count. Every codebook: Q8_0's 32-byte payload rows are two 16-byte pieces (ring_weights); the
+// super-block formats' chunks lie in one super-block and hold Q4_K/Q5_K's pairs and Q6_K's quads of blocks, which
+// share their rows, whole; they stage their super-blocks' d (dmin) and sub-block scales, and a pass behind a second
+// barrier derives each block's scale (min) once per chunk (ring_derive).
 
-constexpr int RING_STAGES = 3;
 constexpr int ROW_WORDS = 12;  // a 32-byte row + 16 bytes of padding: rows g = 0..7 land on distinct banks
 // Shared memory a CTA may take without opting in: registry.SHARED_MEMORY_LIMIT (tests/test_compile.py).
 constexpr int STATIC_SHARED = 49152;
@@ -1081,27 +1228,51 @@ struct Chunk {
     static constexpr int KC = KC_, OUT = THREADS / 32 * 8 * NT, ROWS = ROWS_;
     static constexpr int PAY = KC * OUT * T::WORDS;
     // Super-block formats (whose chunks start on a multiple of KC, which divides 8: a chunk lies in one super-block):
-    // the super-block's fp16 d (dmin), sub-scale bytes (6 or 12) and Q5_K's 8 qh words of every output, and the
-    // blocks' d_w (m_w) that ring_derive makes of them (DW, MW floats); the legacy formats: an fp16 scale (and min,
-    // high-bit word) per block and output.
+    // the super-block's fp16 d (dmin) and sub-scale bytes (6, 12 or 16) of every output, and the code bits above the
+    // nibbles: Q5_K's 8 qh words of the super-block, Q6_K's 2 of each block (rows QH_ROW words apart: the 16 words of
+    // padding put the rows a lane's t / 2 picks on the two halves of the banks). The legacy formats: an fp16 scale
+    // (and min, high-bit word) per block and output.
     static constexpr int SCALE = T::SUPER ? OUT / 2 : KC * OUT / 2, SUB = OUT * T::SUB_BYTES / 4;
-    static constexpr int MIN = T::ASYM ? SCALE : 0, HIGH = T::HIGH ? KC * OUT : 0, QH = CB == Q5_K ? 8 * OUT : 0;
-    static constexpr int DW = T::SUPER ? KC * OUT : 0, MW = T::SUPER && T::ASYM ? KC * OUT : 0;
+    static constexpr int MIN = T::ASYM ? SCALE : 0, HIGH = T::HIGH ? KC * OUT : 0;
+    static constexpr int QH_ROW = CB == Q6_K ? 2 * OUT + 16 : OUT;
+    static constexpr int QH = CB == Q5_K ? 8 * QH_ROW : CB == Q6_K ? KC * QH_ROW : 0;
     static constexpr int Q = KC * ROWS * ROW_WORDS, DS = 2 * KC * ROWS;  // a row's (d_a, sum_a): one 8-byte load
     static constexpr int pay = 0, scale = pay + PAY, sub = scale + SCALE, min = sub + SUB, high = min + MIN;
-    static constexpr int qh = high + HIGH, dw = qh + QH, mw = dw + DW, q = mw + MW;
-    static constexpr int ds = q + Q, words = ds + DS;
+    static constexpr int qh = high + HIGH, q = qh + QH, ds = q + Q, words = ds + DS;
+    // The super-block formats' d_w (per half) and m_w of the chunk's (block, output)s, which ring_derive makes once
+    // the chunk has landed: one array beside the ring, since a chunk's are read only between its two barriers.
+    static constexpr int DW = T::SUPER ? T::HALVES * KC * OUT : 0, MW = T::SUPER && T::ASYM ? KC * OUT : 0;
+    static constexpr int dw = 0, mw = DW, derived = DW + MW;
+    // Shared memory of a ring of `stages` such chunks and its derived scales, in bytes.
+    static constexpr int bytes(int stages) { return 4 * (stages * words + derived); }
 };
 
-// Blocks per chunk: 8, else 4, else 2, whichever ring fits the family's shared memory. Only Q8_0's 2-block chunks of
-// 128 outputs and 32 rows exceed kpar's 32 KB (36 KB); every ring fits the 48 KB of static shared memory.
+// The super-block formats' derived scales of a chunk (Chunk::derived floats), beside the ring; none for the others.
+// (Indexing one array of the chunks and these cost the legacy rings up to 20 registers.)
+template <int FLOATS>
+__device__ __forceinline__ float* derived_scales() {
+    if constexpr (FLOATS == 0) {
+        return nullptr;
+    } else {
+        __shared__ __align__(16) float derived[FLOATS];
+        return derived;
+    }
+}
+
+// Stages and blocks per chunk: 3 stages where 3 chunks of the fewest blocks a chunk may hold (2; Q6_K's quads: 4) fit
+// the static shared memory, else 2 (Q6_K's rings of 128 outputs); then 8 blocks, else 4, whichever ring fits the
+// family's shared memory, else the fewest. Only Q8_0's 2-block chunks of 128 outputs and 32 rows (36 KB) and Q6_K's
+// rings, but for those of 64 outputs and 8 rows (35-48 KB), exceed kpar's 32 KB.
 template <int CB, int NT, int ROWS, bool GRID_SPLIT, int THREADS>
 struct RingShape {
-    static constexpr int LIMIT = ring_shared(GRID_SPLIT);
-    static constexpr int KC = RING_STAGES * Chunk<CB, NT, ROWS, 8, THREADS>::words * 4 <= LIMIT ? 8
-                            : RING_STAGES * Chunk<CB, NT, ROWS, 4, THREADS>::words * 4 <= LIMIT ? 4 : 2;
-    typedef Chunk<CB, NT, ROWS, KC, THREADS> C;
-    static_assert(RING_STAGES * C::words * 4 <= STATIC_SHARED, "a ring must fit the static shared memory");
+    static constexpr int LIMIT = ring_shared(GRID_SPLIT), KC_MIN = Traits<CB>::GROUP > 2 ? Traits<CB>::GROUP : 2;
+    template <int KC>
+    using ChunkOf = Chunk<CB, NT, ROWS, KC, THREADS>;
+    static constexpr int ST = ChunkOf<KC_MIN>::bytes(3) <= STATIC_SHARED ? 3 : 2;
+    static constexpr int KC = ChunkOf<8>::bytes(ST) <= LIMIT ? 8
+                            : KC_MIN <= 4 && ChunkOf<4>::bytes(ST) <= LIMIT ? 4 : KC_MIN;
+    typedef ChunkOf<KC> C;
+    static_assert(C::bytes(ST) <= STATIC_SHARED, "a ring must fit the static shared memory");
 };
 
 // Q8_0's payload rows are two 16-byte pieces; outputs with bit 2 set hold them swapped, so word t of the 8 outputs
@@ -1119,7 +1290,9 @@ constexpr int RING_ADDENDS = Traits<CB>::TABLE ? 2 : 1;
 // words; the lookup codebooks: payload word t as the two addends of iq4nl_addends (w_out[x], in iq4nl_pairs' order),
 // so the ring puts the activations it pairs them with in that order (to_selector_pair).
 // Q4_K/Q5_K's blocks u and u ^ 1 share their two payload rows (chunks start on a pair): block u takes nibble u & 1,
-// and Q5_K bit j = first + u (its place in the super-block) of the qh words t and 4+t.
+// and Q5_K bit j = first + u (its place in the super-block) of the qh words t and 4+t. Q6_K's quad of rows (chunks
+// start on a quad) holds its four blocks as decode_paired reads them, their two code bits in the qh words of
+// elements 4t.. (row t / 2 of the quad, word t % 2) and 16+4t.. (row 2 + t / 2).
 template <int CB, typename C>
 __device__ __forceinline__ void ring_weights(const u32* slot, int u, int first, int o, int t,
                                              int (&w_out)[RING_ADDENDS<CB>][2]) {
@@ -1131,11 +1304,18 @@ __device__ __forceinline__ void ring_weights(const u32* slot, int u, int first, 
         iq4nl_addends(slot[C::pay + (u * C::OUT + o) * T::WORDS + t], low, high);
         w_out[0][0] = (int)low[0], w_out[0][1] = (int)low[1];
         w_out[RING_ADDENDS<CB> - 1][0] = (int)high[0], w_out[RING_ADDENDS<CB> - 1][1] = (int)high[1];
+    } else if constexpr (CB == Q6_K) {
+        const int quad = u & ~3, ub = u & 3, r = quad + 2 * (ub & 1);  // the rows of block ub of the quad
+        const u32* w = slot + C::pay + o * T::WORDS + t;
+        const u32* qh = slot + C::qh + quad * C::QH_ROW + 2 * o + (t & 1);
+        decode_paired<CB>(w[r * C::OUT * T::WORDS], w[(r + 1) * C::OUT * T::WORDS],
+                          q6k_high(qh[(t >> 1) * C::QH_ROW], ub), q6k_high(qh[(2 + (t >> 1)) * C::QH_ROW], ub), ub, lo,
+                          hi);
     } else if constexpr (T::GROUP == 2) {
         const u32* w = slot + C::pay + o * T::WORDS + t;
-        const u32* qh = slot + C::qh + t * C::OUT + o;
+        const u32* qh = slot + C::qh + t * C::QH_ROW + o;
         const u32 h0 = CB == Q5_K ? q5k_high(qh[0], first + u) : 0u;
-        const u32 h1 = CB == Q5_K ? q5k_high(qh[4 * C::OUT], first + u) : 0u;
+        const u32 h1 = CB == Q5_K ? q5k_high(qh[4 * C::QH_ROW], first + u) : 0u;
         decode_paired<CB>(w[(u & ~1) * C::OUT * T::WORDS], w[(u | 1) * C::OUT * T::WORDS], h0, h1, u & 1, lo, hi);
     } else {
         const u32* w = slot + C::pay + (u * C::OUT + o) * T::WORDS + t;
@@ -1144,11 +1324,12 @@ __device__ __forceinline__ void ring_weights(const u32* slot, int u, int first, 
     }
 }
 
-// Super-block formats: every (block u, output) of a landed chunk derives its d_w (and m_w) once into the chunk's DW
-// (MW), from the staged d (dmin) and sub-block scales of its super-block (block u is block first + u of it), as the
-// register engine's `derive` does (§2); every lane that needs them reads them after the chunk's second barrier.
+// Super-block formats: every (block u, output) of a landed chunk derives its d_w (per half) and m_w once into
+// `derived` (C::dw, C::mw: [half][u][output], [u][output]), from the staged d (dmin) and sub-block scales of its
+// super-block (block u is block first + u of it), as the dp4a engine's `derive` does (§2); every lane that needs
+// them reads them after the chunk's second barrier.
 template <int CB, typename C, int THREADS>
-__device__ __forceinline__ void ring_derive(u32* slot, int first, int tid) {
+__device__ __forceinline__ void ring_derive(const u32* slot, float* derived, int first, int tid) {
     typedef Traits<CB> T;
     const u16* d = reinterpret_cast<const u16*>(slot + C::scale);
     const u16* dmin = reinterpret_cast<const u16*>(slot + C::min);
@@ -1156,13 +1337,15 @@ __device__ __forceinline__ void ring_derive(u32* slot, int first, int tid) {
     for (int i = 0; i < (C::KC * C::OUT + THREADS - 1) / THREADS; ++i) {
         const int e = tid + i * THREADS, u = e / C::OUT, at = e % C::OUT;
         if ((C::KC * C::OUT) % THREADS && e >= C::KC * C::OUT) break;
-        const SubScales s = sub_record<CB>(reinterpret_cast<const unsigned char*>(slot + C::sub) + at * T::SUB_BYTES,
-                                           [](const auto* q) { return *q; });
+        const int j = (first + u) & 7;
+        const SubScales s = sub_record<CB>(
+            reinterpret_cast<const unsigned char*>(slot + C::sub) + at * T::SUB_BYTES + sub_offset<CB>(j),
+            [](const auto* q) { return *q; });
         float d_w[T::HALVES], m_w = 0.0f;
-        derive<CB, false>(half_bits_to_float(d[at]), T::ASYM ? half_bits_to_float(dmin[at]) : 0.0f, s, (first + u) & 7,
-                          d_w, m_w);
-        reinterpret_cast<float*>(slot + C::dw)[e] = d_w[0];
-        if (T::ASYM) reinterpret_cast<float*>(slot + C::mw)[e] = m_w;
+        derive<CB, false>(half_bits_to_float(d[at]), T::ASYM ? half_bits_to_float(dmin[at]) : 0.0f, s, j, d_w, m_w);
+#pragma unroll
+        for (int h = 0; h < T::HALVES; ++h) derived[C::dw + h * C::KC * C::OUT + e] = d_w[h];
+        if (T::ASYM) derived[C::mw + e] = m_w;
     }
 }
 
@@ -1185,9 +1368,10 @@ __device__ __forceinline__ void for_pieces(int tid, Copy copy) {
 // warp's first `tiles` 8-output tiles, `left` = M minus the pass's first row (rows past M are zero-filled, so
 // computing them is harmless; mma_tile skips the float work of empty halves).
 template <int CB, int NT, int MTILES, bool GRID_SPLIT, int THREADS>
-__device__ __forceinline__ void ring_chunk(const u32* slot, int u_lo, int cn, int first, int tiles, int left,
-                                           int o_warp, int g, int t, float (&acc)[NT][MTILES][4]) {
+__device__ __forceinline__ void ring_chunk(const u32* slot, const float* derived, int u_lo, int cn, int first,
+                                           int tiles, int left, int o_warp, int g, int t, float (&acc)[NT][MTILES][4]) {
     typedef Traits<CB> T;
+    constexpr int H = T::HALVES;
     typedef typename RingShape<CB, NT, 16 * MTILES, GRID_SPLIT, THREADS>::C C;
     constexpr int KC = C::KC, OUT = C::OUT, ROWS = C::ROWS;
 #pragma unroll
@@ -1216,18 +1400,21 @@ __device__ __forceinline__ void ring_chunk(const u32* slot, int u_lo, int cn, in
             const u32 mins = T::ASYM && !T::SUPER ? slot[C::min + pair] : 0u;
             int b[RING_ADDENDS<CB>][2];
             ring_weights<CB, C>(slot, u, first, o_warp + 8 * j + g, t, b);
-            float d_w[2][1] = {{half_bits_to_float(scales & 0xFFFFu)}, {half_bits_to_float(scales >> 16)}};
+            float d_w[2][H] = {{half_bits_to_float(scales & 0xFFFFu)}, {half_bits_to_float(scales >> 16)}};
             float m_w[2] = {half_bits_to_float(mins & 0xFFFFu), half_bits_to_float(mins >> 16)};
-            if constexpr (T::SUPER) {  // outputs 2t, 2t+1: one 8-byte load of each
+            if constexpr (T::SUPER) {  // outputs 2t, 2t+1: one 8-byte load of each (per half)
                 const int at = u * OUT + o_warp + 8 * j + 2 * t;
-                const float2 dw = *reinterpret_cast<const float2*>(slot + C::dw + at);
-                d_w[0][0] = dw.x, d_w[1][0] = dw.y;
+#pragma unroll
+                for (int h = 0; h < H; ++h) {
+                    const float2 dw = *reinterpret_cast<const float2*>(derived + C::dw + h * KC * OUT + at);
+                    d_w[0][h] = dw.x, d_w[1][h] = dw.y;
+                }
                 if (T::ASYM) {
-                    const float2 mw = *reinterpret_cast<const float2*>(slot + C::mw + at);
+                    const float2 mw = *reinterpret_cast<const float2*>(derived + C::mw + at);
                     m_w[0] = mw.x, m_w[1] = mw.y;
                 }
             }
-            mma_tile<CB, MTILES, true>(a, rows, b, d_w, m_w, 0, left, acc[j]);
+            mma_tile<CB, MTILES>(a, rows, b, d_w, m_w, left, acc[j]);
         }
     }
 }
@@ -1238,15 +1425,14 @@ __device__ __forceinline__ void ring_chunk(const u32* slot, int u_lo, int cn, in
 // activation-as-A form leaves rows g+8 empty. acc[j][0][e] is output 8j+g (of the warp's first), row 2t+e; a pair
 // whose upper tile lies past N computes zero-filled outputs that mma_store_weights_a skips.
 template <int CB, int NT, bool GRID_SPLIT, int THREADS>
-__device__ __forceinline__ void ring_chunk_weights_a(const u32* slot, int u_lo, int cn, int first, int tiles,
-                                                     int o_warp, int g, int t, float (&acc)[NT][1][4]) {
+__device__ __forceinline__ void ring_chunk_weights_a(const u32* slot, const float* derived, int u_lo, int cn,
+                                                     int first, int tiles, int o_warp, int g, int t,
+                                                     float (&acc)[NT][1][4]) {
     typedef Traits<CB> T;
     typedef typename RingShape<CB, NT, 8, GRID_SPLIT, THREADS>::C C;
-    constexpr int KC = C::KC, OUT = C::OUT, ROWS = C::ROWS;
+    constexpr int KC = C::KC, OUT = C::OUT, ROWS = C::ROWS, H = T::HALVES;
     const u16* scales = reinterpret_cast<const u16*>(slot + C::scale);
     const u16* mins = reinterpret_cast<const u16*>(slot + C::min);
-    const float* dw = reinterpret_cast<const float*>(slot + C::dw);
-    const float* mw = reinterpret_cast<const float*>(slot + C::mw);
 #pragma unroll
     for (int u = 0; u < KC; ++u) {
         if (u >= cn) break;  // block-uniform
@@ -1265,20 +1451,28 @@ __device__ __forceinline__ void ring_chunk_weights_a(const u32* slot, int u_lo, 
 #pragma unroll
             for (int h = 0; h < 2; ++h)  // A rows g (outputs of tile j) and g+8 (tile j+1)
                 ring_weights<CB, C>(slot, u, first, o_warp + 8 * (j + h) + g, t, w[h]);
-            int c[4] = {c_in[0], c_in[1], c_in[2], c_in[3]};
+            int c[H][4];
 #pragma unroll
             for (int x = 0; x < RING_ADDENDS<CB>; ++x) {  // the lookup's addends: an mma each
                 const int a[4] = {w[0][x][0], w[1][x][0], w[0][x][1], w[1][x][1]};
-                mma_s8(a, b0, b1, c, c);
+                if (x == 0)
+                    mma_block<H>(a, b0, b1, c_in, c);
+                else
+                    mma_s8(a, b0, b1, c[0], c[0]);
             }
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                const int o = o_warp + 8 * (j + h) + g;
-                const float d_w[1] = {T::SUPER ? dw[u * OUT + o] : half_bits_to_float(scales[u * OUT + o])};
-                const float m_w = !T::ASYM ? 0.0f : T::SUPER ? mw[u * OUT + o] : half_bits_to_float(mins[u * OUT + o]);
+                const int o = u * OUT + o_warp + 8 * (j + h) + g;
+                float d_w[H];
+#pragma unroll
+                for (int q = 0; q < H; ++q)
+                    d_w[q] = T::SUPER ? derived[C::dw + q * KC * OUT + o] : half_bits_to_float(scales[o]);
+                const float m_w = !T::ASYM ? 0.0f : T::SUPER ? derived[C::mw + o] : half_bits_to_float(mins[o]);
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
-                    const int biased[1] = {c[2 * h + e]};
+                    int biased[H];
+#pragma unroll
+                    for (int q = 0; q < H; ++q) biased[q] = c[q][2 * h + e];
                     acc[j + h][0][e] = add_rn(acc[j + h][0][e], rows[e].term(biased, d_w, m_w));
                 }
             }
@@ -1305,10 +1499,12 @@ template <int CB, int NT, int MTILES, bool GRID_SPLIT, int THREADS, bool WEIGHTS
 __device__ __forceinline__ void mma_ring(GEMV_PARAMS) {
     typedef Traits<CB> T;
     // Rows of M per pass: 8 with the weights as the A operand, else 16 per M tile.
-    typedef typename RingShape<CB, NT, WEIGHTS_A ? 8 : 16 * MTILES, GRID_SPLIT, THREADS>::C C;
-    constexpr int KC = C::KC, OUT = C::OUT, ROWS = C::ROWS, ST = RING_STAGES;
+    typedef RingShape<CB, NT, WEIGHTS_A ? 8 : 16 * MTILES, GRID_SPLIT, THREADS> Shape;
+    typedef typename Shape::C C;
+    constexpr int KC = C::KC, OUT = C::OUT, ROWS = C::ROWS, ST = Shape::ST;
     static_assert(!WEIGHTS_A || (MTILES == 1 && NT % 2 == 0), "the weights as A: one pass of 8 rows, tiles in pairs");
     __shared__ __align__(16) u32 ring[ST][C::words];
+    float* derived = derived_scales<C::derived>();
 
     const int tid = threadIdx.x, lane = tid & 31, g = lane >> 2, t = lane & 3;
     const int n_cta = blockIdx.x * OUT;
@@ -1317,7 +1513,7 @@ __device__ __forceinline__ void mma_ring(GEMV_PARAMS) {
     const int p = GRID_SPLIT ? blockIdx.y : 0;
     const int b_begin = p * width;
     const int b_end = min(KB, b_begin + width);
-    // The super-block formats' chunks start on multiples of KC (a chunk in one super-block, Q4_K/Q5_K's pairs whole):
+    // The super-block formats' chunks start on multiples of KC (a chunk in one super-block, its pairs or quads whole):
     // [b_lo, b_hi) covers the partition, whose blocks alone are computed.
     constexpr int ALIGN = T::SUPER ? KC : 1;
     const int b_lo = b_begin / ALIGN * ALIGN, b_hi = ALIGN == 1 ? b_end : min(KB, (b_end + ALIGN - 1) / ALIGN * ALIGN);
@@ -1345,54 +1541,60 @@ __device__ __forceinline__ void mma_ring(GEMV_PARAMS) {
 #pragma unroll
                 for (int i = 0; i < PER_ITEM; ++i) {
                     const int h = (item * PER_ITEM + i) % PIECES;
-                    cp_async16(slot + 4 * (C::pay + (u * OUT + o) * T::WORDS + 4 * ring_piece<CB>(o, h)), row + 4 * h, ok);
+                    cp_async<16>(slot + 4 * (C::pay + (u * OUT + o) * T::WORDS + 4 * ring_piece<CB>(o, h)), row + 4 * h, ok);
                 }
             });
             if constexpr (T::SUPER) {
                 // The chunk's super-block: 8 fp16 d (dmin), 16-byte pieces of the outputs' sub-scale records
-                // (N % 8 == 0: N ends on a piece), Q5_K's 4 qh words.
+                // (N % 8 == 0: N ends on a piece), Q5_K's 4 qh words; Q6_K's 2 qh words of 2 outputs a block.
                 const int sb = b0 >> 3;
                 for_pieces<1, OUT / 8, THREADS>(tid, [&](int, int o8, int e) {
                     const bool ok = n_cta + 8 * o8 < N;
                     const u32 at = block_index(sb, N, column(8 * o8));
-                    cp_async16(slot + 4 * C::scale + 16 * e, scale + at, ok);
-                    if (T::ASYM) cp_async16(slot + 4 * C::min + 16 * e, minv + at, ok);
+                    cp_async<16>(slot + 4 * C::scale + 16 * e, scale + at, ok);
+                    if (T::ASYM) cp_async<16>(slot + 4 * C::min + 16 * e, minv + at, ok);
                 });
                 for_pieces<T::SUB_BYTES / 2, OUT / 8, THREADS>(tid, [&](int r, int item, int e) {  // OUT * SUB_BYTES
                     const int piece = r * (OUT / 8) + item;
                     const bool ok = 16 * piece < T::SUB_BYTES * (N - n_cta);
                     const unsigned char* src = sub + (u64)block_index(sb, N, n_cta) * T::SUB_BYTES + 16 * piece;
-                    cp_async16(slot + 4 * C::sub + 16 * e, ok ? src : sub, ok);
+                    cp_async<16>(slot + 4 * C::sub + 16 * e, ok ? src : sub, ok);
                 });
                 if (CB == Q5_K)
                     for_pieces<8, OUT / 4, THREADS>(tid, [&](int i, int o4, int e) {
                         const bool ok = n_cta + 4 * o4 < N;
-                        cp_async16(slot + 4 * C::qh + 16 * e, high + block_index(8 * sb + i, N, column(4 * o4)), ok);
+                        cp_async<16>(slot + 4 * C::qh + 16 * e, high + block_index(8 * sb + i, N, column(4 * o4)), ok);
+                    });
+                if (CB == Q6_K)
+                    for_pieces<KC, OUT / 2, THREADS>(tid, [&](int u, int o2, int) {
+                        const bool ok = u < cn && n_cta + 2 * o2 < N;
+                        const u32* src = high + (u64)block_index(block(u), N, column(2 * o2)) * 2;
+                        cp_async<16>(slot + 4 * (C::qh + u * C::QH_ROW + 2 * (2 * o2)), src, ok);
                     });
             } else {
                 for_pieces<KC, OUT / 8, THREADS>(tid, [&](int u, int o8, int e) {  // 8 fp16 scales (mins)
                     const bool ok = u < cn && n_cta + 8 * o8 < N;
                     const u32 at = block_index(block(u), N, column(8 * o8));
-                    cp_async16(slot + 4 * C::scale + 16 * e, scale + at, ok);
-                    if (T::ASYM) cp_async16(slot + 4 * C::min + 16 * e, minv + at, ok);
+                    cp_async<16>(slot + 4 * C::scale + 16 * e, scale + at, ok);
+                    if (T::ASYM) cp_async<16>(slot + 4 * C::min + 16 * e, minv + at, ok);
                 });
             }
             if (T::HIGH)
                 for_pieces<KC, OUT / 4, THREADS>(tid, [&](int u, int o4, int e) {  // 4 high-bit words
                     const bool ok = u < cn && n_cta + 4 * o4 < N;
-                    cp_async16(slot + 4 * C::high + 16 * e, high + block_index(block(u), N, column(4 * o4)), ok);
+                    cp_async<16>(slot + 4 * C::high + 16 * e, high + block_index(block(u), N, column(4 * o4)), ok);
                 });
             for_pieces<KC, 2 * ROWS, THREADS>(tid, [&](int u, int rh, int e) {  // half an activation row
                 const int r = rh >> 1, half = rh & 1;
                 const bool ok = u < cn && r < left;
                 const int* src = qa + (u64)block_index(block(u), M, row(r)) * 8 + 4 * half;
-                cp_async16(slot + 4 * (C::q + (u * ROWS + r) * ROW_WORDS + 4 * half), src, ok);
+                cp_async<16>(slot + 4 * (C::q + (u * ROWS + r) * ROW_WORDS + 4 * half), src, ok);
             });
             for_pieces<KC, ROWS, THREADS>(tid, [&](int u, int r, int e) {  // a row's (d_a, sum_a)
                 const bool ok = u < cn && r < left;
                 const u32 at = block_index(block(u), M, row(r));
-                cp_async4(slot + 4 * (C::ds + 2 * e), da + at, ok);
-                cp_async4(slot + 4 * (C::ds + 2 * e + 1), sa + at, ok);
+                cp_async<4>(slot + 4 * (C::ds + 2 * e), da + at, ok);
+                cp_async<4>(slot + 4 * (C::ds + 2 * e + 1), sa + at, ok);
             });
         };
 
@@ -1410,7 +1612,7 @@ __device__ __forceinline__ void mma_ring(GEMV_PARAMS) {
             if (c + ST - 1 < chunks) issue(c + ST - 1);
             cp_async_commit();
             if constexpr (T::SUPER) {
-                ring_derive<CB, C, THREADS>(ring[c % ST], (b_lo + c * KC) & 7, tid);  // first
+                ring_derive<CB, C, THREADS>(ring[c % ST], derived, (b_lo + c * KC) & 7, tid);  // first
                 __syncthreads();  // the chunk's d_w (m_w) are in place
             }
             if (tiles == 0) continue;
@@ -1422,16 +1624,20 @@ __device__ __forceinline__ void mma_ring(GEMV_PARAMS) {
             // branch-free stretch. (A third copy for two M tiles spilled gemv_mma<Q4_0, 4, 2, false>.)
             if constexpr (WEIGHTS_A) {
                 if (u_lo == 0 && cn == KC && tiles == NT)
-                    ring_chunk_weights_a<CB, NT, GRID_SPLIT, THREADS>(slot, 0, KC, first, NT, o_warp, g, t, acc);
+                    ring_chunk_weights_a<CB, NT, GRID_SPLIT, THREADS>(slot, derived, 0, KC, first, NT, o_warp, g, t,
+                                                                      acc);
                 else
-                    ring_chunk_weights_a<CB, NT, GRID_SPLIT, THREADS>(slot, u_lo, cn, first, tiles, o_warp, g, t, acc);
+                    ring_chunk_weights_a<CB, NT, GRID_SPLIT, THREADS>(slot, derived, u_lo, cn, first, tiles, o_warp, g,
+                                                                      t, acc);
             } else if (u_lo == 0 && cn == KC && tiles == NT && left > ROWS_ALL - 8) {
-                ring_chunk<CB, NT, MTILES, GRID_SPLIT, THREADS>(slot, 0, KC, first, NT, ROWS_ALL, o_warp, g, t, acc);
-            } else if (MTILES == 1 && u_lo == 0 && cn == KC && tiles == NT && left > ROWS_ALL - 16) {
-                ring_chunk<CB, NT, MTILES, GRID_SPLIT, THREADS>(slot, 0, KC, first, NT, ROWS_ALL - 8, o_warp, g, t,
+                ring_chunk<CB, NT, MTILES, GRID_SPLIT, THREADS>(slot, derived, 0, KC, first, NT, ROWS_ALL, o_warp, g, t,
                                                                 acc);
+            } else if (MTILES == 1 && u_lo == 0 && cn == KC && tiles == NT && left > ROWS_ALL - 16) {
+                ring_chunk<CB, NT, MTILES, GRID_SPLIT, THREADS>(slot, derived, 0, KC, first, NT, ROWS_ALL - 8, o_warp, g,
+                                                                t, acc);
             } else {
-                ring_chunk<CB, NT, MTILES, GRID_SPLIT, THREADS>(slot, u_lo, cn, first, tiles, left, o_warp, g, t, acc);
+                ring_chunk<CB, NT, MTILES, GRID_SPLIT, THREADS>(slot, derived, u_lo, cn, first, tiles, left, o_warp, g, t,
+                                                                acc);
             }
         }
         cp_async_wait<0>();
@@ -1444,38 +1650,31 @@ __device__ __forceinline__ void mma_ring(GEMV_PARAMS) {
     }
 }
 
-// The tensor-core candidates (wide S = 1, kpar GRID_SPLIT): the ring engine for Traits::RING's codebooks, registers
-// for the others. Both engines give the contract's bytes; the candidates' geometry is the same. THREADS is the CTA
-// (the candidate's threads): the ring's warps share its chunks, the register engine's share nothing.
+// The tensor-core candidates (wide S = 1, kpar GRID_SPLIT), on the ring engine. THREADS is the CTA (the candidate's
+// threads), whose warps share the ring's chunks.
 // Told only a CTA size above 128, ptxas aims at 64 registers and spills some 8-warp instantiations; naming the
 // CTAs per SM that the register cap still allows lets it use up to the cap. 128-thread CTAs keep ptxas's default
-// (0: no minimum), whose registers are the measured ones. WEIGHTS_A (ring codebooks, M <= 8, tiles in pairs): the
-// ring's operands swapped (ring_chunk_weights_a); its chunks hold 8 rows, so its ring is smaller, and told no
-// minimum ptxas aimed its 128-thread CTAs at the 5 per SM that the shared memory allows (96 registers) and spilled
-// the IQ4_NL kernel: they name the register cap's CTAs per SM too, as do Q8_0's, whose rings of 2-4 block chunks are
-// as small (told no minimum, ptxas spilled gemv_mma<Q8_0, 4, 1, false, 128, false> at 96 registers), and the
-// super-block ring's (told no minimum, ptxas spilled gemv_mma<IQ4_XS, 2, 2, false, 128, false> at 80 registers and
+// (0: no minimum), whose registers are the measured ones. WEIGHTS_A (M <= 8, tiles in pairs): the ring's operands
+// swapped (ring_chunk_weights_a); its chunks hold 8 rows, so its ring is smaller, and told no minimum ptxas aimed
+// its 128-thread CTAs at the 5 per SM that the shared memory allows (96 registers) and spilled the IQ4_NL kernel:
+// they name the register cap's CTAs per SM too, as do Q8_0's, whose rings of 2-4 block chunks are as small (told no
+// minimum, ptxas spilled gemv_mma<Q8_0, 4, 1, false, 128, false> at 96 registers), and the super-block rings (told
+// no minimum, ptxas spilled gemv_mma<IQ4_XS, 2, 2, false, 128, false> at 80 registers and
 // gemv_mma<Q4_K, 2, 2, true, 128, false> at 80).
 constexpr int REGISTER_FILE = 65536;  // per SM: registry.REGISTER_FILE (tests/test_compile.py)
 constexpr int REGISTER_CAP = 128;     // per thread: --maxrregcount, program.MAX_REGISTERS (tests/test_compile.py)
 template <int CB, int THREADS, bool WEIGHTS_A> constexpr int min_ctas_per_sm() {
-    constexpr bool named = THREADS > 128 || WEIGHTS_A || CB == Q8_0 || (Traits<CB>::SUPER && Traits<CB>::RING);
+    constexpr bool named = THREADS > 128 || WEIGHTS_A || CB == Q8_0 || Traits<CB>::SUPER;
     return named ? REGISTER_FILE / (THREADS * REGISTER_CAP) : 0;
 }
 
 template <int CB, int NT, int MTILES, bool GRID_SPLIT, int THREADS, bool WEIGHTS_A>
 __global__ void __launch_bounds__(THREADS, min_ctas_per_sm<CB, THREADS, WEIGHTS_A>()) gemv_mma(GEMV_PARAMS) {
-    static_assert(!WEIGHTS_A || Traits<CB>::RING, "the weights as the A operand: ring codebooks only");
-    if constexpr (Traits<CB>::RING)
-        mma_ring<CB, NT, MTILES, GRID_SPLIT, THREADS, WEIGHTS_A>(payload, high, scale, minv, sub, qa, da, sa, M, N, KB,
-                                                                 width, out, ws);
-    else
-        mma_registers<CB, NT, MTILES, GRID_SPLIT>(payload, high, scale, minv, sub, qa, da, sa, M, N, KB, width, out,
-                                                  ws);
+    mma_ring<CB, NT, MTILES, GRID_SPLIT, THREADS, WEIGHTS_A>(payload, high, scale, minv, sub, qa, da, sa, M, N, KB, width,
+                                                             out, ws);
     if constexpr (GRID_SPLIT) {
         const int cols = blockDim.x / 32 * 8 * NT;
-        fold_last<Traits<CB>::RING ? FOLD_FLOATS_RING : FOLD_FLOATS_REGISTERS>(ws, out, gridDim.y, M, N, blockIdx.x * cols,
-                                                                              cols);
+        fold_last<FOLD_FLOATS_RING>(ws, out, gridDim.y, M, N, blockIdx.x * cols, cols);
     }
 }
 

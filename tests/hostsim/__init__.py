@@ -109,7 +109,7 @@ class Simulator:
         if candidate.grid_split and ws is None:  # zero tickets, NaN partials
             ws = launch.new_workspace(candidate.workspace_bytes(m, n, k), n, np)
         name = candidate.kernel_name(packed.codebook, m)
-        self.launch(name, grid, block, candidate.shared_bytes(m, k),
+        self.launch(name, grid, block, candidate.shared_bytes(m, k, packed.codebook),
                     [*map(pointer, planes), pointer(q), pointer(d), pointer(s), *map(pointer, ints), pointer(out),
                      pointer(ws if candidate.grid_split else None)])
         if candidate.grid_split and ws[: ticket_words(n)].view(np.uint32).any():

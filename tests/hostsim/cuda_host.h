@@ -59,6 +59,7 @@ struct Thread {
     Group* cta;
     Warp* warp;
     unsigned char* shared;
+    size_t shared_bytes;  // the launch's dynamic shared memory (%dynamic_smem_size)
     ucontext_t context;
     bool done;
     const Group* waiting;  // the barrier this thread waits at, and its generation then
@@ -172,7 +173,7 @@ inline Outcome launch(Kernel kernel, dim3 grid, dim3 block, size_t shared, void*
                     Thread& t = here.threads[tid];
                     t.blockDim = block, t.gridDim = grid, t.blockIdx = dim3{x, y, z};
                     t.threadIdx = dim3{tid % block.x, tid / block.x % block.y, tid / (block.x * block.y)};
-                    t.cta = &cta, t.warp = &warps[tid / 32], t.shared = memory.data(), t.done = false;
+                    t.cta = &cta, t.warp = &warps[tid / 32], t.shared = memory.data(), t.shared_bytes = shared, t.done = false;
                     t.waiting = nullptr;
                     getcontext(&t.context);
                     t.context.uc_stack.ss_sp = stacks[tid].data();
@@ -268,6 +269,12 @@ inline int __reduce_add_sync(unsigned, int v) {
 
 inline int __dp4a(int a, int b, int c) {
     for (int i = 0; i < 4; ++i) c += (int)(signed char)(a >> (8 * i)) * (int)(signed char)(b >> (8 * i));
+    return c;
+}
+
+// dp4a.u32.s32: a's bytes unsigned, b's signed.
+inline int dp4a_us(unsigned a, int b, int c) {
+    for (int i = 0; i < 4; ++i) c += (int)(unsigned char)(a >> (8 * i)) * (int)(signed char)(b >> (8 * i));
     return c;
 }
 
