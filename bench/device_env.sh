@@ -12,3 +12,11 @@ step() { local limit=$1; shift; local t0=$(date +%s)
          if [ "$limit" -le 0 ]; then echo "== $* -> skipped: $limit s left"; return 124; fi
          timeout -s KILL "$limit" "$@"; local rc=$?
          echo "== $* -> rc=$rc in $(( $(date +%s) - t0 )) s"; return $rc; }
+# unpack_root ROOT: a corpus root carried as its tarball (ROOT.tgz beside it, as sweep_on_device.sh returns it) is
+# unpacked where ROOT is missing; the sweep resumes from it and the table is trained on it.
+unpack_root() {
+    local root=$1
+    if [ -d "$root" ] || [ ! -f "$root.tgz" ]; then return 0; fi
+    tar xzf "$root.tgz" -C "$(dirname "$root")" || { echo "cannot unpack $root.tgz"; return 1; }
+    echo "unpacked $root.tgz"
+}

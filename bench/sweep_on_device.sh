@@ -11,6 +11,10 @@
 # or the tarball may be the one left behind (a machine still warm keeps ROOT: a prompt rerun resumes from it).
 # The tarball is the whole ROOT: replace the GPU folder with it (`rm -rf corpus/nvidia-h200; tar xzf corpus.tgz`), as a
 # resumed sweep compacts the earlier call's shards and an old shard left beside the new manifest refuses the corpus.
+# To resume on a machine that kept nothing, or in a call whose carried folders replace ROOT's: carry the returned
+# tarball as ROOT.tgz beside ROOT (e.g. `.sw/corpus.tgz`: the unpacked corpus with the tree passes the 64-MiB carry
+# limit); where ROOT is missing, unpack_root (device_env.sh) unpacks it from there. A sweep resumes only on the GPU
+# that began it (its UUID is in the provenance): elsewhere it starts over beside it.
 set -uo pipefail
 source bench/device_env.sh
 codebooks=${1:?codebooks, e.g. Q4_0,Q8_0,Q4_1 or all}
@@ -21,6 +25,7 @@ devices=${5:-}
 root=${6:-corpus}
 name=$(basename "$root")-$modes-${ms//,/_}
 start=$(date +%s)
+unpack_root "$root" || exit 1
 # A kernel source that spills cannot be certified: refuse it before the sweep spends the call on it.
 python3 -m gemv_dispatch.kernels.ptxas || { echo "sweep refused: the kernel source spills"; exit 1; }
 timeout -s KILL "$seconds" python3 -m gemv_dispatch.dispatch.cli sweep --corpus-root "$root" --codebooks "$codebooks" \

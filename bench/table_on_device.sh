@@ -4,7 +4,9 @@
 # folder, certify on this GPU, generate. Under $OUT: the corpus tarball (sweep_on_device.sh's three files), policy.json,
 # cert.json, train-certify.log, generated.tgz: seven of the eight files a call returns.
 #   [SWEEP_DEVICES=0,1] bash bench/table_on_device.sh [SECONDS] [ROOT]   (SWEEP_DEVICES: the GPUs to sweep on)
-#   bash bench/table_on_device.sh 340 /tmp/sw/corpus      (after: bash bench/sweep_on_device.sh all 1,4,16 graph 550 "" /tmp/sw/corpus)
+#   bash bench/table_on_device.sh 340 .sw/corpus
+#   (after `bash bench/sweep_on_device.sh all 1,4,16 graph 550 "" .sw/corpus`; on a machine that kept nothing, carry
+#   the returned tarball as .sw/corpus.tgz: unpack_root unpacks it)
 # Then here: `rm -rf corpus/nvidia-h200 && tar xzf corpus.tgz` (the tarball's top folder is ROOT's name: corpus),
 # `tar xzf generated.tgz`, policy.json into generated/nvidia-h200/, and the golden files regenerated
 # (`GEMV_DISPATCH_UPDATE_GOLDEN=1 pytest tests/test_generate.py -k golden`).
@@ -13,6 +15,7 @@ source bench/device_env.sh
 seconds=${1:-0}
 root=${2:-corpus}
 start=$(date +%s)
+unpack_root "$root" || exit 1
 if [ "$seconds" -gt 0 ]; then
     bash bench/sweep_on_device.sh all 1,4,16 graph "$seconds" "${SWEEP_DEVICES:-}" "$root" | tail -4
 fi
