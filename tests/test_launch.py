@@ -41,15 +41,14 @@ def test_random_device_weights_have_the_planes_pack_makes(codebook, monkeypatch)
     assert np.isfinite(scales).all() and (scales >= 9.99e-4).all() and (scales < 1.0001e-2).all()
 
 
-
 def test_staged_kernels_opt_in_to_the_rings_shared_memory_and_no_other_does():
     """opt_in raises a staged kernel's dynamic shared memory cap to RING_SHARED_LIMIT (Candidate.shared_bytes gives a
     staged walk's ring more than the default SHARED_MEMORY_LIMIT where it fits) and leaves every other kernel's."""
     class Kernel:
         max_dynamic_shared_size_bytes = registry.SHARED_MEMORY_LIMIT
 
-    staged, ring = Kernel(), Kernel()
+    staged, mma = Kernel(), Kernel()
     assert launch.opt_in("gemv_staged<6, 1, true>", staged) is staged
     assert staged.max_dynamic_shared_size_bytes == registry.RING_SHARED_LIMIT
-    launch.opt_in("gemv_mma<6, 2, 1, false, 128, false>", ring)
-    assert ring.max_dynamic_shared_size_bytes == registry.SHARED_MEMORY_LIMIT
+    launch.opt_in("gemv_mma<6, 2, 1, false, 128, false>", mma)
+    assert mma.max_dynamic_shared_size_bytes == registry.SHARED_MEMORY_LIMIT

@@ -5,7 +5,6 @@ is kept as it is, and a tarball that cannot be unpacked stops the call before an
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import subprocess
 import tarfile
@@ -19,20 +18,13 @@ pytestmark = pytest.mark.skipif(not SCRIPT.is_file() or shutil.which("tar") is N
                                 reason="needs the checkout's bench/ and tar")
 
 
-def unpack_root_function() -> str:
-    """device_env.sh's unpack_root, without the rest of that file (which installs the checkout)."""
-    text = (REPO / "bench" / "device_env.sh").read_text()
-    found = re.search(r"^unpack_root\(\) \{\n.*?^\}$", text, re.M | re.S)
-    assert found, "device_env.sh defines no unpack_root"
-    return found.group(0)
-
-
 def call(tree: Path, out: Path) -> subprocess.CompletedProcess:
     (tree / "bench").mkdir(parents=True, exist_ok=True)
-    shutil.copy(SCRIPT, tree / "bench" / SCRIPT.name)
-    (tree / "bench" / "device_env.sh").write_text(unpack_root_function() + "\n")
-    # python3 on PATH (the sweep runs under `timeout`, so a shell function would not stand in): the stub sweep writes
-    # its arguments to $OUT/args; the spill check (-m gemv_dispatch.kernels.ptxas) passes.
+    for script in (SCRIPT, REPO / "bench" / "device_env.sh"):
+        shutil.copy(script, tree / "bench" / script.name)
+    # python3 on PATH (the sweep runs under `timeout`, so a shell function would not stand in): device_env.sh's
+    # install does nothing, the spill check (-m gemv_dispatch.kernels.ptxas) passes, the sweep writes its arguments
+    # to $OUT/args.
     stub = tree / "stub" / "python3"
     stub.parent.mkdir(exist_ok=True)
     stub.write_text('#!/bin/sh\n[ "$2" = gemv_dispatch.dispatch.cli ] && echo "$@" > "$OUT/args"\nexit 0\n')
