@@ -3,6 +3,8 @@ listing is written here (cuobjdump is not part of CI's toolkit); the real counts
 
 from __future__ import annotations
 
+import re
+
 from test_bench_report import bench_script
 
 
@@ -135,3 +137,19 @@ def test_instructions_per_weight_byte_take_the_codebooks_block_bytes():
     assert sass.per_weight_byte(loop("gemv_staged<9, 1, false>")) == 36 / 17
     assert sass.per_weight_byte(loop("gemv_mma<0, 2, 1, false, 128, false>", unit="mma")) is None
     assert sass.per_weight_byte(loop("quantize_activations")) is None
+
+
+def test_sass_diff_names_the_functions_whose_instructions_differ():
+    """bench/sass_diff.py compares instructions, not addresses: the same body at other addresses is the same, one
+    instruction more is a difference, and a function only one source has differs too."""
+    bench_script("sass_per_block")  # sass_diff imports it as a sibling script
+    diff = bench_script("sass_diff")
+    body = ["IDP.4A.S8.S8 R8, R4, R12, R8"] * 8
+    base = diff.instructions(listing(body))
+    moved = diff.instructions(re.sub(r"/\*([0-9a-f]{4})\*/", lambda m: f"/*{int(m.group(1), 16) + 0x100:04x}*/",
+                                     listing(body)))
+    longer = diff.instructions(listing([*body, "LOP3.LUT R4, R4, 0xf0f0f0f, RZ, 0xc0, !PT"]))
+    other = diff.instructions(listing(body, function="_Z12gemv_partialILi6ELi1ELi1ELb0EEvPKj"))
+    assert diff.differing(base, moved) == []
+    assert diff.differing(base, longer) == ["_Z12gemv_partialILi5ELi1ELi1ELb0EEvPKj"]
+    assert diff.differing(base, base | other) == ["_Z12gemv_partialILi6ELi1ELi1ELb0EEvPKj"]
