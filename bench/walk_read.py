@@ -1,0 +1,178 @@
+"""How fast can a kernel read a shape's weight planes in the order the GEMV walks them? (M = 1, no arithmetic)
+
+    python bench/walk_read.py --codebooks Q4_K,IQ4_XS --shapes 27648x5120,5120x27648 --out bench/results/walk.json
+
+For each cell, one interleaved timing run (graph replay, cold L2 by rotation, medians: the sweep's harness) of
+- `stream`: the streaming read of bench/kernels.py over the same number of bytes, best of a few grids;
+- `walk.sS.tT.uU`: WALK_KERNEL, which reads every plane of random weights exactly as a dp4a launch of K split S
+  and T threads per CTA does (thread = output column, blocks of its partition ascending, a super-block's payload
+  rows and fields at a time, U super-blocks' loads issued before any is used) and only XORs the words;
+- the registry candidates named by --candidates (the GEMV itself, same run).
+What a walk takes over the stream is what the layout and the walk order cost before any decode: the part of the
+GEMV's gap to the read ceiling that no cheaper decode can close. Super-block codebooks only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import replace
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import cupy as cp
+import numpy as np
+from gemv_dispatch.dispatch.sweep import weight_copies
+from gemv_dispatch.dispatch.timing import CupyBackend, Launch, cell_seed, time_candidates
+from gemv_dispatch.kernels import launch
+from gemv_dispatch.kernels.codebooks import SUPERBLOCK
+from gemv_dispatch.kernels.errors import BLOCK
+from gemv_dispatch.kernels.registry import by_id
+
+from kernels import CONFIG, stream_reads
+
+WALK_KERNEL = r"""
+typedef unsigned int u32;
+typedef unsigned long long u64;
+// One E-byte entry at byte offset `at`, loaded as the GEMV loads it (E a plane's bytes per entry; 0: no plane).
+template <int E>
+__device__ __forceinline__ uint4 entry(const unsigned char* __restrict__ p, u64 at) {
+    if constexpr (E == 16) {
+        return __ldg(reinterpret_cast<const uint4*>(p + at));
+    } else if constexpr (E == 8) {
+        const uint2 v = __ldg(reinterpret_cast<const uint2*>(p + at));
+        return make_uint4(v.x, v.y, 0u, 0u);
+    } else if constexpr (E == 12) {
+        const u32* w = reinterpret_cast<const u32*>(p + at);
+        return make_uint4(__ldg(w), __ldg(w + 1), __ldg(w + 2), 0u);
+    } else if constexpr (E == 6) {
+        const unsigned short* h = reinterpret_cast<const unsigned short*>(p + at);
+        return make_uint4(__ldg(h), __ldg(h + 1), __ldg(h + 2), 0u);
+    } else if constexpr (E == 4) {
+        return make_uint4(__ldg(reinterpret_cast<const u32*>(p + at)), 0u, 0u, 0u);
+    } else if constexpr (E == 2) {
+        return make_uint4(__ldg(reinterpret_cast<const unsigned short*>(p + at)), 0u, 0u, 0u);
+    } else {
+        return make_uint4(0u, 0u, 0u, 0u);
+    }
+}
+// Planes: payload [KB][N][PAY], high [KB][N][HIGH] (0: none), scale [KB/8][N][2], min [KB/8][N][MIN] and sub
+// [KB/8][N][SUB]; a partition is `width` super-blocks. Every load of U super-blocks is issued before any is used.
+template <int PAY, int HIGH, int MIN, int SUB, int U>
+__global__ void __launch_bounds__(256, 1)
+    walk_read(const unsigned char* __restrict__ payload, const unsigned char* __restrict__ high,
+              const unsigned char* __restrict__ scale, const unsigned char* __restrict__ minv,
+              const unsigned char* __restrict__ sub, int N, int KB, int width, u32* sink) {
+    const int n = blockIdx.x * blockDim.x + threadIdx.x;
+    if (n >= N) return;
+    const int sb_begin = blockIdx.y * width, sb_end = min(KB / 8, (blockIdx.y + 1) * width);
+    u32 acc = 0;
+    for (int sb0 = sb_begin; sb0 < sb_end; sb0 += U) {
+        uint4 v[U][8 + 8 + 3];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int sb = min(sb0 + u, sb_end - 1);  // past the end: the last again (an L1 hit)
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                const u64 at = (u64)(8 * sb + j) * N + n;
+                v[u][j] = entry<PAY>(payload, at * PAY), v[u][8 + j] = entry<HIGH>(high, at * HIGH);
+            }
+            const u64 at = (u64)sb * N + n;
+            v[u][16] = entry<2>(scale, at * 2), v[u][17] = entry<MIN>(minv, at * MIN);
+            v[u][18] = entry<SUB>(sub, at * SUB);
+        }
+        uint4 f = make_uint4(0u, 0u, 0u, 0u);  // four sums (XOR into one chain let ptxas use loads one by one)
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+#pragma unroll
+            for (int j = 0; j < 19; ++j) f.x += v[u][j].x, f.y += v[u][j].y, f.z += v[u][j].z, f.w += v[u][j].w;
+        acc ^= f.x ^ f.y ^ f.z ^ f.w;
+    }
+    if (acc == 0x9E3779B9u) sink[0] = acc;  // keeps the loads; practically never taken
+}
+"""
+WALKS = [(1, 128, 1), (1, 128, 2), (1, 256, 1), (4, 128, 1), (8, 128, 1), (16, 128, 1), (16, 128, 2)]  # (S, T, U)
+
+
+def entry_bytes(plane: Any, rows: int, n: int) -> int:
+    return 0 if plane is None else plane.nbytes // (rows * n)
+
+
+def walk_launches(copies: list[Any], stream: Any) -> dict[str, Launch]:
+    """A launch of WALK_KERNEL per (S, T, U) of WALKS over the weight copies, on `stream`."""
+    w = copies[0]
+    kb = w.k // BLOCK
+    widths = (entry_bytes(w.payload, kb, w.n), entry_bytes(w.high, kb, w.n), entry_bytes(w.min, kb // 8, w.n),
+              entry_bytes(w.sub, kb // 8, w.n))
+    names = {(s, t, u): f"walk_read<{', '.join(map(str, widths))}, {u}>" for s, t, u in WALKS}
+    module = cp.RawModule(code=WALK_KERNEL, options=("--std=c++17",), name_expressions=sorted(set(names.values())))
+    with stream:
+        sink = cp.zeros(1, cp.uint32)
+    zero = np.uint64(0)
+
+    def run(kernel: Any, grid: tuple[int, int], threads: int, width: int, i: int) -> None:
+        c = copies[i]
+        planes = [zero if p is None else p for p in (c.payload, c.high, c.scale, c.min, c.sub)]
+        with stream:
+            kernel(grid, (threads,), (*planes, np.int32(c.n), np.int32(kb), np.int32(width), sink))
+
+    launches = {}
+    for (s, t, u), name in names.items():  # partitions of whole super-blocks (S as near as that allows)
+        width = -(-kb // 8 // s)
+        grid = (-(-w.n // t), -(-kb // 8 // width))
+        launches[f"walk.s{s}.t{t}.u{u}"] = partial(run, module.get_function(name), grid, t, width)
+    return launches
+
+
+def time_cell(codebook: str, n: int, k: int, candidates: list[str], l2: int, sms: int,
+              stream: Any) -> dict[str, float]:
+    """Medians (µs) of the stream, the walks and the candidates of one cell, timed in one interleaved run."""
+    rng = cp.random.default_rng(cell_seed(codebook, n, k, CONFIG.seed))
+    with stream:
+        copies = weight_copies(codebook, n, k, rng, l2)
+        x = cp.random.default_rng(cell_seed(codebook, 1, n, k)).standard_normal((1, k), dtype=cp.float32)
+        qact = launch.quantize_activations(x, stream)
+        out = cp.empty((1, n), cp.float32)
+        need = max((by_id(c).workspace_bytes(1, n, k) for c in candidates), default=0)
+        ws = launch.new_workspace(need, n) if need else None
+    read = stream_reads(copies[0].nbytes, len(copies), stream)
+    launches: dict[str, Launch] = {f"stream.g{g}": partial(read, g) for g in (sms * 2, sms * 4, sms * 8)}
+    launches |= walk_launches(copies, stream)
+    for c in candidates:
+        launches[c] = launch.bind(by_id(c), copies, qact, out, stream, ws)
+    stream.synchronize()
+    stats = time_candidates(launches, len(copies), replace(CONFIG, race=False), CupyBackend(stream),
+                            seed=cell_seed(codebook, 1, n, k))
+    return {name: st.median_us for name, st in stats.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--codebooks", default="Q4_K,IQ4_XS")
+    ap.add_argument("--shapes", default="27648x5120,5120x27648")
+    ap.add_argument("--candidates", default="wide.s1.t256.c1.st,kpar.s16.t128.c1.st",
+                    help="registry candidates timed beside the walks (those invalid for a cell are left out)")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    stream = cp.cuda.Stream(non_blocking=True)
+    props = cp.cuda.runtime.getDeviceProperties(0)
+    l2, sms = int(props["l2CacheSize"]), int(props["multiProcessorCount"])
+    rows = []
+    for codebook in args.codebooks.split(","):
+        if codebook not in SUPERBLOCK:
+            raise SystemExit(f"{codebook}: the walks read super-block planes only")
+        for n, k in (tuple(map(int, s.split("x"))) for s in args.shapes.split(",")):
+            cands = [c for c in args.candidates.split(",") if by_id(c).valid(1, n, k)]
+            us = time_cell(codebook, n, k, cands, l2, sms, stream)
+            stream_us = min(v for name, v in us.items() if name.startswith("stream"))
+            rows.append({"codebook": codebook, "n": n, "k": k, "us": us, "stream_us": stream_us})
+            print(f"{codebook} {n}x{k}: stream {stream_us:.2f} us; "
+                  + ", ".join(f"{name} {v:.2f} ({stream_us / v:.0%})" for name, v in us.items()
+                              if not name.startswith("stream")), flush=True)
+            if args.out:
+                args.out.write_text(json.dumps({"device": props["name"].decode(), "rows": rows}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
