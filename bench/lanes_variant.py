@@ -1,0 +1,199 @@
+"""Experiment (not in the registry): M = 1 at S = 1 with L threads per output column instead of one.
+
+    python bench/lanes_variant.py --codebooks Q4_K,IQ4_XS --shapes 27648x5120,5120x27648 --out bench/results/lanes.json
+
+`gemv_lanes<CB, L>` (LANES_KERNEL, appended to the tree's gemv.cu and built with its options) gives each output
+column L adjacent threads ("lanes"): lane l decodes super-blocks l, l + L, ... of the column with the staged
+super-block walk's own pieces (ColumnGroup<CB, 8>, block_chains, RowBlock::term), and after each round of L
+super-blocks the lanes hand their 8 block terms each, in block order, to lane 0's chain by shuffles; so the bytes are
+S = 1's (the contract's order), while the grid holds L times the warps of a wide launch. The CTA stages the
+activation row first, as a staged wide launch does. IQ4_XS, Q4_K and Q5_K (the formats whose staged walk takes a
+super-block at a time).
+
+Per cell, after every variant's output is compared byte for byte with the registry's `wide.s1.t128.c1.st` (S = 1),
+one interleaved timing run (the sweep's harness: graph replay, cold L2 by rotation, medians) of the variants, the
+registry candidates named by --candidates and the streaming read of the same bytes (bench/kernels.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import replace
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import cupy as cp
+import numpy as np
+from gemv_dispatch.dispatch.sweep import weight_copies
+from gemv_dispatch.dispatch.timing import CupyBackend, Launch, cell_seed, time_candidates
+from gemv_dispatch.kernels import launch, program, ptxas
+from gemv_dispatch.kernels.registry import CODEBOOK_IDS, by_id
+
+from kernels import CONFIG, stream_reads
+
+LANES_KERNEL = r"""
+// M = 1, S = 1: L lanes per output column (adjacent threads of a warp); lane l walks super-blocks l, l + L, ...
+template <int CB, int L>
+__global__ void gemv_lanes(GEMV_PARAMS) {
+    typedef Traits<CB> T;
+    static_assert(T::SUPER && T::SPAN == 8 && 32 % L == 0, "a super-block walk; a column's lanes within a warp");
+    constexpr bool SELECTOR_ORDER = T::TABLE, IN_PLACE = CB == Q4_K || CB == Q5_K;
+    constexpr int ADDENDS = SELECTOR_ORDER || CB == Q5_K ? 2 : 1;
+    DYNAMIC_SHARED(float, smem);  // the staged row: KB blocks of 32 values, then {d_a, staged word} each
+    int4* stage_q = reinterpret_cast<int4*>(smem);
+    int2* stage_ds = reinterpret_cast<int2*>(stage_q + 2 * KB);
+    const Planes P{payload, high, scale, minv, sub};
+    for (int i = threadIdx.x; i < KB; i += blockDim.x) {
+        const int4* q = reinterpret_cast<const int4*>(qa) + 2 * i;  // M = 1: block i's row
+        int4 q0 = __ldg(q), q1 = __ldg(q + 1);
+        stage_ds[i] = make_int2(__float_as_int(__ldg(da + i)), RowBlock<CB>::staged_word(__ldg(sa + i), q0));
+        if constexpr (SELECTOR_ORDER) to_selector_order(q0, q1);
+        stage_q[2 * i] = q0, stage_q[2 * i + 1] = q1;
+    }
+    __syncthreads();
+    const int lane = threadIdx.x % L, col = (blockIdx.x * blockDim.x + threadIdx.x) / L;
+    const int c = min(col, N - 1);  // a column past N walks the last one: every lane takes part in the shuffles
+    const int groups = KB / 8;
+    float acc = 0.0f;
+    for (int g0 = 0; g0 < groups; g0 += L) {
+        const int grp = g0 + lane;
+        float t[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+        if (grp < groups) {
+            ColumnGroup<CB, 8> w;
+            w.template load<false>(P, grp, c, N, true, 0, KB);
+#pragma unroll
+            for (int u = 0; u < 8; ++u) {
+                const int b = grp * 8 + u;
+                int v[ADDENDS][8];
+                float dw[T::HALVES], mw;
+                w.template block<SELECTOR_ORDER, false, IN_PLACE>(u, b, v, dw, mw);
+                const ActivationRow x = ActivationRow::staged(stage_q, stage_ds, b);
+                const RowBlock<CB> row = RowBlock<CB>::of_staged(x.d_a, x.s_a);
+                const int xq[8] = {x.q0.x, x.q0.y, x.q0.z, x.q0.w, x.q1.x, x.q1.y, x.q1.z, x.q1.w};
+                int bias[T::HALVES], s[T::HALVES];
+#pragma unroll
+                for (int h = 0; h < T::HALVES; ++h) bias[h] = row.bias;
+                const bool in_place = block_chains<CB, IN_PLACE, SELECTOR_ORDER>(v, xq, bias, u, b & 7, s);
+                t[u] = row.term(s, dw, mw, in_place);
+            }
+        }
+        // The round's blocks in ascending order: lane 0 (which alone stores) chains its own 8 terms, then those
+        // of lanes 1 .., all shuffled before the first add (a shuffle per add put its latency on the chain).
+        float from[L][8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) from[0][u] = t[u];
+#pragma unroll
+        for (int src = 1; src < L; ++src)
+#pragma unroll
+            for (int u = 0; u < 8; ++u) from[src][u] = __shfl_sync(0xffffffffu, t[u], src, L);
+#pragma unroll
+        for (int src = 0; src < L; ++src)
+            if (g0 + src < groups)
+#pragma unroll
+                for (int u = 0; u < 8; ++u) acc = add_rn(acc, from[src][u]);
+    }
+    if (col < N && lane == 0) out[col] = add_rn(0.0f, acc);
+}
+"""
+LANES = (1, 2, 4, 8)
+THREADS = (128, 256)
+REFERENCE = "wide.s1.t128.c1.st"  # S = 1 in the registry
+
+
+def kernel_name(codebook: str, lanes: int) -> str:
+    return f"gemv_lanes<{CODEBOOK_IDS[codebook]}, {lanes}>"
+
+
+def build(codebooks: list[str]) -> tuple[Any, dict[str, int]]:
+    """The module of every (codebook, L) variant, and each one's registers (a variant that spills is refused)."""
+    text = program.source() + LANES_KERNEL
+    names = [kernel_name(cb, lanes) for cb in codebooks for lanes in LANES]
+    built = {r.name: r for r in ptxas.compile_parallel(names, text=text)}
+    if spills := [r.describe() for r in built.values() if not r.spill_free]:
+        raise SystemExit(f"spills: {'; '.join(spills)}")
+    module = cp.RawModule(code=text, options=program.CONTRACT_OPTIONS, name_expressions=names)
+    return module, {name: built[name].registers for name in names}
+
+
+def time_cell(module: Any, codebook: str, n: int, k: int, candidates: list[str], l2: int, sms: int,
+              stream: Any) -> dict[str, float]:
+    """Medians (µs) of the variants, the candidates and the stream of one cell, timed in one interleaved run."""
+    kb = k // 32
+    rng = cp.random.default_rng(cell_seed(codebook, n, k, CONFIG.seed))
+    with stream:
+        copies = weight_copies(codebook, n, k, rng, l2)
+        x = cp.random.default_rng(cell_seed(codebook, 1, n, k)).standard_normal((1, k), dtype=cp.float32)
+        qact = launch.quantize_activations(x, stream)
+        need = max((by_id(c).workspace_bytes(1, n, k) for c in candidates), default=0)
+        ws = launch.new_workspace(need, n) if need else None
+    tail = (*launch.storage(qact), np.int32(1), np.int32(n), np.int32(kb), np.int32(kb))
+
+    def run(kernel: Any, grid: int, threads: int, out: Any, i: int) -> None:
+        kernel((grid,), (threads,), (*copies[i].plane_args(), *tail, out, np.uint64(0)), shared_mem=40 * kb,
+               stream=stream)
+
+    launches: dict[str, Launch] = {}
+    outs = {}
+    for lanes in LANES:
+        kernel = module.get_function(kernel_name(codebook, lanes))
+        for threads in THREADS:
+            name = f"lanes.l{lanes}.t{threads}"
+            with stream:
+                outs[name] = cp.full((1, n), np.nan, cp.float32)
+            launches[name] = partial(run, kernel, -(-n * lanes // threads), threads, outs[name])
+    for c in dict.fromkeys([REFERENCE, *candidates]):
+        with stream:
+            outs[c] = cp.full((1, n), np.nan, cp.float32)
+        launches[c] = launch.bind(by_id(c), copies, qact, outs[c], stream, ws)
+    for fn in launches.values():
+        fn(0)
+    stream.synchronize()
+    expected = cp.asnumpy(outs[REFERENCE]).view(np.uint32)
+    for name, out in outs.items():
+        same_identity = name.startswith("lanes") or by_id(name).split(k) == 1
+        if same_identity and not np.array_equal(cp.asnumpy(out).view(np.uint32), expected):
+            raise SystemExit(f"{codebook} {n}x{k} {name}: the output differs from {REFERENCE}'s (S = 1)")
+    read = stream_reads(copies[0].nbytes, len(copies), stream)
+    launches |= {f"stream.g{g}": partial(read, g) for g in (sms * 2, sms * 4, sms * 8)}
+    stats = time_candidates(launches, len(copies), replace(CONFIG, race=False), CupyBackend(stream),
+                            seed=cell_seed(codebook, 1, n, k))
+    return {name: st.median_us for name, st in stats.items()}
+
+
+def by_time(item: tuple[str, float]) -> float:
+    return item[1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--codebooks", default="Q4_K,IQ4_XS")
+    ap.add_argument("--shapes", default="27648x5120,5120x27648")
+    ap.add_argument("--candidates", default="wide.s1.t256.c1.st,kpar.s16.t128.c1.st",
+                    help="registry candidates timed beside the variants (those invalid for a cell are left out)")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    stream = cp.cuda.Stream(non_blocking=True)
+    props = cp.cuda.runtime.getDeviceProperties(0)
+    l2, sms = int(props["l2CacheSize"]), int(props["multiProcessorCount"])
+    codebooks = args.codebooks.split(",")
+    module, registers = build(codebooks)
+    print("registers: " + ", ".join(f"{name} {r}" for name, r in registers.items()), flush=True)
+    rows = []
+    for codebook in codebooks:
+        for n, k in (tuple(map(int, s.split("x"))) for s in args.shapes.split(",")):
+            cands = [c for c in args.candidates.split(",") if by_id(c).valid(1, n, k)]
+            us = time_cell(module, codebook, n, k, cands, l2, sms, stream)
+            stream_us = min(v for name, v in us.items() if name.startswith("stream"))
+            rows.append({"codebook": codebook, "n": n, "k": k, "us": us, "stream_us": stream_us})
+            print(f"{codebook} {n}x{k}: stream {stream_us:.2f} us; "
+                  + ", ".join(f"{name} {v:.2f} ({stream_us / v:.0%})" for name, v in sorted(us.items(), key=by_time)
+                              if not name.startswith("stream")), flush=True)
+            if args.out:
+                args.out.write_text(json.dumps({"device": props["name"].decode(), "registers": registers,
+                                                "rows": rows}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
