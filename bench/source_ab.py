@@ -16,7 +16,9 @@ after a whole sweep), and the registers of each go into the report. Before timin
 compared byte for byte with the tree's, and a kpar launch must leave its tickets zero: sources that disagree are
 refused, with the cell and candidate named. A source without the staged walks' shared-memory ring (no `CopyTo`,
 versions before 55) launches with the shared memory it asks for without one (Candidate.shared_bytes without a
-codebook): the ring's bytes would cost it occupancy it never uses. Each cell's line is printed, and --out
+codebook): the ring's bytes would cost it occupancy it never uses. `--ring-min-blocks TAG=BLOCKS` gives version TAG's
+staged walks the ring from BLOCKS blocks a thread instead of registry.RING_MIN_BLOCKS (a source may be the tree's
+own, to time the threshold alone). Each cell's line is printed, and --out
 rewritten, as soon as it is timed, so a run cut by a time limit keeps what it finished.
 """
 
@@ -36,7 +38,7 @@ from anchors import ANCHORS
 from gemv_dispatch.dispatch.sweep import sweep_timing, weight_copies
 from gemv_dispatch.dispatch.timing import CupyBackend, cell_seed, time_candidates
 from gemv_dispatch.kernels import launch, program, ptxas
-from gemv_dispatch.kernels.registry import CANDIDATES, candidates_for, ticket_words
+from gemv_dispatch.kernels.registry import CANDIDATES, RING_MIN_BLOCKS, candidates_for, ticket_words
 
 CONFIG = replace(sweep_timing(), window_us=300.0, race=False)
 TREE = "tree"
@@ -59,10 +61,10 @@ def spelled(name: str, arity: int) -> str:
     return "gemv_mma<" + ", ".join(name[len("gemv_mma<"):-1].split(", ")[:arity]) + ">"
 
 
-def time_cell(modules: dict[str, tuple[Any, int]], rings: dict[str, bool], codebook: str, m: int, n: int, k: int,
-              families: list[str], stream: Any, l2: int) -> list[dict[str, Any]]:
+def time_cell(modules: dict[str, tuple[Any, int]], rings: dict[str, int | None], codebook: str, m: int, n: int,
+              k: int, families: list[str], stream: Any, l2: int) -> list[dict[str, Any]]:
     """Every version of every candidate of `families` in the cell: medians (µs) by version, bytes checked first;
-    rings[tag]: whether that version's staged walks take the ring's shared memory."""
+    rings[tag]: from how many blocks a thread that version's staged walks take the ring (None: no ring)."""
     rng = cp.random.default_rng(cell_seed(codebook, n, k, CONFIG.seed))
     with stream:
         copies = weight_copies(codebook, n, k, rng, l2, CONFIG.cold_l2)
@@ -78,11 +80,12 @@ def time_cell(modules: dict[str, tuple[Any, int]], rings: dict[str, bool], codeb
                 out = cp.full((m, n), np.nan, cp.float32)
                 ws = launch.new_workspace(need, n) if need else None
             plans = [launch.plan(c, w, m) for w in copies]
+            ring = rings[tag]
+            shared = c.shared_bytes(m, k) if ring is None else c.shared_bytes(m, k, codebook, ring_min_blocks=ring)
+            plans = [replace(p, shared=shared) for p in plans]
             if module is not None:
                 name = spelled(c.kernel_name(codebook, m), arity)
-                kernel = launch.opt_in(name, module.get_function(name))
-                shared = plans[0].shared if rings[tag] else c.shared_bytes(m, k)
-                plans = [replace(p, kernel=kernel, shared=shared) for p in plans]
+                plans = [replace(p, kernel=launch.opt_in(name, module.get_function(name))) for p in plans]
             launches[f"{tag}:{c.id}"] = lambda i, plans=plans, out=out, ws=ws: plans[i].enqueue(store, out, ws, stream)
             launches[f"{tag}:{c.id}"](0)
             results[(tag, c.id)] = (out, ws)
@@ -148,6 +151,8 @@ def main() -> None:
     ap.add_argument("--codebooks", default="Q4_0,Q8_0")
     ap.add_argument("--ms", default="1,16")
     ap.add_argument("--shapes", help="NxK,... (default: the anchors)")
+    ap.add_argument("--ring-min-blocks", action="append", default=[], metavar="TAG=BLOCKS",
+                    help="the ring from BLOCKS blocks a thread for version TAG (a source's stem, or tree)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     started = time.time()
@@ -159,7 +164,11 @@ def main() -> None:
     shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")] if args.shapes else ANCHORS
     every = texts | {TREE: program.source()}
     arities = {tag: mma_arity(text) for tag, text in every.items()}
-    rings = {tag: RING_MARK in text for tag, text in every.items()}
+    thresholds = dict(spec.split("=") for spec in args.ring_min_blocks)
+    if unknown := thresholds.keys() - every.keys():
+        raise SystemExit(f"--ring-min-blocks names no version: {', '.join(sorted(unknown))}")
+    rings = {tag: int(thresholds.get(tag, RING_MIN_BLOCKS)) if RING_MARK in text else None
+             for tag, text in every.items()}
     families = args.family.split(",")
     regs = registers(every, arities, families, codebooks, ms)
     rows: list[dict[str, Any]] = []

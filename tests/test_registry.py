@@ -79,6 +79,8 @@ def test_staged_walks_get_their_ring_where_it_fits_and_pays():
     for cb in ("Q4_K", "Q4_0"):
         assert direct.shared_bytes(1, k, cb) == base + 128 * PIPE_SLOTS * pipe_slot_bytes(cb, 1)
         assert direct.shared_bytes(1, k - 2 * BLOCK, cb) == direct.shared_bytes(1, k - 2 * BLOCK)  # a block short
+        assert direct.shared_bytes(1, k - 2 * BLOCK, cb, ring_min_blocks=RING_MIN_BLOCKS - 1) > direct.shared_bytes(
+            1, k - 2 * BLOCK)  # the threshold bench/source_ab.py may lower
     assert direct.shared_bytes(1, k, "Q8_0") == base
     unstaged = next(c for c in CANDIDATES if c.id == "direct.s2.t64.c1")
     assert unstaged.shared_bytes(1, k, "Q4_K") == unstaged.shared_bytes(1, k)
