@@ -17,11 +17,8 @@ registry candidates named by --candidates and the streaming read of the same byt
 
 from __future__ import annotations
 
-import argparse
-import json
 from dataclasses import replace
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import cupy as cp
@@ -30,6 +27,7 @@ from gemv_dispatch.dispatch.sweep import weight_copies
 from gemv_dispatch.dispatch.timing import CupyBackend, Launch, cell_seed, time_candidates
 from gemv_dispatch.kernels import launch, program, ptxas
 from gemv_dispatch.kernels.registry import CODEBOOK_IDS, by_id
+from walk_read import arguments, study
 
 from kernels import CONFIG, stream_reads
 
@@ -162,37 +160,11 @@ def time_cell(module: Any, codebook: str, n: int, k: int, candidates: list[str],
     return {name: st.median_us for name, st in stats.items()}
 
 
-def by_time(item: tuple[str, float]) -> float:
-    return item[1]
-
-
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--codebooks", default="Q4_K,IQ4_XS")
-    ap.add_argument("--shapes", default="27648x5120,5120x27648")
-    ap.add_argument("--candidates", default="wide.s1.t256.c1.st,kpar.s16.t128.c1.st",
-                    help="registry candidates timed beside the variants (those invalid for a cell are left out)")
-    ap.add_argument("--out", type=Path)
-    args = ap.parse_args()
-    stream = cp.cuda.Stream(non_blocking=True)
-    props = cp.cuda.runtime.getDeviceProperties(0)
-    l2, sms = int(props["l2CacheSize"]), int(props["multiProcessorCount"])
-    codebooks = args.codebooks.split(",")
-    module, registers = build(codebooks)
+    args = arguments(__doc__, "variants")
+    module, registers = build(args.codebooks.split(","))
     print("registers: " + ", ".join(f"{name} {r}" for name, r in registers.items()), flush=True)
-    rows = []
-    for codebook in codebooks:
-        for n, k in (tuple(map(int, s.split("x"))) for s in args.shapes.split(",")):
-            cands = [c for c in args.candidates.split(",") if by_id(c).valid(1, n, k)]
-            us = time_cell(module, codebook, n, k, cands, l2, sms, stream)
-            stream_us = min(v for name, v in us.items() if name.startswith("stream"))
-            rows.append({"codebook": codebook, "n": n, "k": k, "us": us, "stream_us": stream_us})
-            print(f"{codebook} {n}x{k}: stream {stream_us:.2f} us; "
-                  + ", ".join(f"{name} {v:.2f} ({stream_us / v:.0%})" for name, v in sorted(us.items(), key=by_time)
-                              if not name.startswith("stream")), flush=True)
-            if args.out:
-                args.out.write_text(json.dumps({"device": props["name"].decode(), "registers": registers,
-                                                "rows": rows}, indent=1) + "\n")
+    study(args, partial(time_cell, module), registers=registers)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -147,31 +148,47 @@ def time_cell(codebook: str, n: int, k: int, candidates: list[str], l2: int, sms
     return {name: st.median_us for name, st in stats.items()}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def arguments(description: str, timed: str) -> argparse.Namespace:
+    """The options of the M = 1 studies (this and lanes_variant.py); `timed`: what the candidates are timed beside."""
+    ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--codebooks", default="Q4_K,IQ4_XS")
     ap.add_argument("--shapes", default="27648x5120,5120x27648")
     ap.add_argument("--candidates", default="wide.s1.t256.c1.st,kpar.s16.t128.c1.st",
-                    help="registry candidates timed beside the walks (those invalid for a cell are left out)")
+                    help=f"registry candidates timed beside the {timed} (those invalid for a cell are left out)")
     ap.add_argument("--out", type=Path)
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def study(args: argparse.Namespace, time_one: Callable[..., dict[str, float]], **extra: Any) -> None:
+    """Every (codebook, shape) of `args` timed by time_one(codebook, n, k, candidates, l2, sms, stream) -> medians
+    (µs) by launch, printed fastest first as a share of the fastest stream launch, and written to --out with `extra`."""
     stream = cp.cuda.Stream(non_blocking=True)
     props = cp.cuda.runtime.getDeviceProperties(0)
     l2, sms = int(props["l2CacheSize"]), int(props["multiProcessorCount"])
     rows = []
     for codebook in args.codebooks.split(","):
-        if codebook not in SUPERBLOCK:
-            raise SystemExit(f"{codebook}: the walks read super-block planes only")
         for n, k in (tuple(map(int, s.split("x"))) for s in args.shapes.split(",")):
             cands = [c for c in args.candidates.split(",") if by_id(c).valid(1, n, k)]
-            us = time_cell(codebook, n, k, cands, l2, sms, stream)
+            us = time_one(codebook, n, k, cands, l2, sms, stream)
             stream_us = min(v for name, v in us.items() if name.startswith("stream"))
             rows.append({"codebook": codebook, "n": n, "k": k, "us": us, "stream_us": stream_us})
             print(f"{codebook} {n}x{k}: stream {stream_us:.2f} us; "
-                  + ", ".join(f"{name} {v:.2f} ({stream_us / v:.0%})" for name, v in us.items()
+                  + ", ".join(f"{name} {v:.2f} ({stream_us / v:.0%})" for name, v in sorted(us.items(), key=by_time)
                               if not name.startswith("stream")), flush=True)
             if args.out:
-                args.out.write_text(json.dumps({"device": props["name"].decode(), "rows": rows}, indent=1) + "\n")
+                args.out.write_text(json.dumps({"device": props["name"].decode(), **extra, "rows": rows}, indent=1)
+                                    + "\n")
+
+
+def by_time(item: tuple[str, float]) -> float:
+    return item[1]
+
+
+def main() -> None:
+    args = arguments(__doc__, "walks")
+    if other := [cb for cb in args.codebooks.split(",") if cb not in SUPERBLOCK]:
+        raise SystemExit(f"{other[0]}: the walks read super-block planes only")
+    study(args, time_cell)
 
 
 if __name__ == "__main__":
