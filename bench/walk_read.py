@@ -6,7 +6,7 @@ For each cell, one interleaved timing run (graph replay, cold L2 by rotation, me
 - `stream`: the streaming read of bench/kernels.py over the same number of bytes, best of a few grids;
 - `walk.sS.tT.uU`: WALK_KERNEL, which reads every plane of random weights exactly as a dp4a launch of K split S
   and T threads per CTA does (thread = output column, blocks of its partition ascending, a super-block's payload
-  rows and fields at a time, U super-blocks' loads issued before any is used) and only XORs the words;
+  rows and fields at a time, U super-blocks' loads issued before any is used) and only sums the words;
 - the registry candidates named by --candidates (the GEMV itself, same run).
 What a walk takes over the stream is what the layout and the walk order cost before any decode: the part of the
 GEMV's gap to the read ceiling that no cheaper decode can close. Super-block codebooks only.
