@@ -23,13 +23,13 @@ from typing import Any
 
 import cupy as cp
 import numpy as np
-from gemv_dispatch.dispatch.sweep import weight_copies
 from gemv_dispatch.dispatch.timing import CupyBackend, Launch, cell_seed, time_candidates
 from gemv_dispatch.kernels import launch, program, ptxas
-from gemv_dispatch.kernels.registry import CODEBOOK_IDS, by_id
-from walk_read import arguments, study
+from gemv_dispatch.kernels.errors import BLOCK
+from gemv_dispatch.kernels.registry import CODEBOOK_IDS, STAGED_BLOCK_BYTES, by_id
+from walk_read import arguments, cell_inputs, stream_launches, study
 
-from kernels import CONFIG, stream_reads
+from kernels import CONFIG
 
 LANES_KERNEL = r"""
 // M = 1, S = 1: L lanes per output column (adjacent threads of a warp); lane l walks super-blocks l, l + L, ...
@@ -118,19 +118,13 @@ def build(codebooks: list[str]) -> tuple[Any, dict[str, int]]:
 def time_cell(module: Any, codebook: str, n: int, k: int, candidates: list[str], l2: int, sms: int,
               stream: Any) -> dict[str, float]:
     """Medians (µs) of the variants, the candidates and the stream of one cell, timed in one interleaved run."""
-    kb = k // 32
-    rng = cp.random.default_rng(cell_seed(codebook, n, k, CONFIG.seed))
-    with stream:
-        copies = weight_copies(codebook, n, k, rng, l2)
-        x = cp.random.default_rng(cell_seed(codebook, 1, n, k)).standard_normal((1, k), dtype=cp.float32)
-        qact = launch.quantize_activations(x, stream)
-        need = max((by_id(c).workspace_bytes(1, n, k) for c in candidates), default=0)
-        ws = launch.new_workspace(need, n) if need else None
+    kb = k // BLOCK
+    copies, qact, ws = cell_inputs(codebook, n, k, candidates, l2, stream)
     tail = (*launch.storage(qact), np.int32(1), np.int32(n), np.int32(kb), np.int32(kb))
 
     def run(kernel: Any, grid: int, threads: int, out: Any, i: int) -> None:
-        kernel((grid,), (threads,), (*copies[i].plane_args(), *tail, out, np.uint64(0)), shared_mem=40 * kb,
-               stream=stream)
+        kernel((grid,), (threads,), (*copies[i].plane_args(), *tail, out, np.uint64(0)),
+               shared_mem=STAGED_BLOCK_BYTES * kb, stream=stream)
 
     launches: dict[str, Launch] = {}
     outs = {}
@@ -153,8 +147,7 @@ def time_cell(module: Any, codebook: str, n: int, k: int, candidates: list[str],
         same_identity = name.startswith("lanes") or by_id(name).split(k) == 1
         if same_identity and not np.array_equal(cp.asnumpy(out).view(np.uint32), expected):
             raise SystemExit(f"{codebook} {n}x{k} {name}: the output differs from {REFERENCE}'s (S = 1)")
-    read = stream_reads(copies[0].nbytes, len(copies), stream)
-    launches |= {f"stream.g{g}": partial(read, g) for g in (sms * 2, sms * 4, sms * 8)}
+    launches |= stream_launches(copies, sms, stream)
     stats = time_candidates(launches, len(copies), replace(CONFIG, race=False), CupyBackend(stream),
                             seed=cell_seed(codebook, 1, n, k))
     return {name: st.median_us for name, st in stats.items()}

@@ -16,10 +16,8 @@ import argparse
 import shutil
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from gemv_dispatch.kernels import ptxas
 from gemv_dispatch.kernels.registry import instantiations
 from sass_per_block import disassemble, functions
 
@@ -32,14 +30,6 @@ def instructions(dump: str) -> dict[str, list[str]]:
 def differing(old: dict[str, list[str]], new: dict[str, list[str]]) -> list[str]:
     """The functions whose instructions differ, or that only one side has, sorted."""
     return sorted(name for name in old.keys() | new.keys() if old.get(name) != new.get(name))
-
-
-def sass_of(text: str | None, names: list[str], cuobjdump: str) -> dict[str, list[str]]:
-    """instructions() of every instantiation in `names`, built ptxas.JOBS translation units at a time."""
-    chunks = [names[i::ptxas.JOBS] for i in range(min(ptxas.JOBS, len(names)))]
-    with ThreadPoolExecutor(len(chunks)) as pool:
-        dumps = list(pool.map(lambda chunk: disassemble(chunk, cuobjdump, text), chunks))
-    return {name: code for dump in dumps for name, code in instructions(dump).items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,8 +47,8 @@ def main(argv: list[str] | None = None) -> int:
         return 3
     names = sorted({name for _, name in instantiations()})
     try:
-        old = sass_of(args.old.read_text(), names, args.cuobjdump)
-        new = sass_of(args.new.read_text() if args.new else None, names, args.cuobjdump)
+        old = instructions(disassemble(names, args.cuobjdump, args.old.read_text()))
+        new = instructions(disassemble(names, args.cuobjdump, args.new.read_text() if args.new else None))
     except (RuntimeError, subprocess.CalledProcessError) as failed:  # nvcc (compile_report) or cuobjdump
         text = failed.stderr if isinstance(failed, subprocess.CalledProcessError) else str(failed)
         print(f"error: {([line for line in text.splitlines() if line.strip()] or ['failed'])[-1]}", file=sys.stderr)

@@ -64,12 +64,13 @@ def opcode(instruction: str) -> str:
 
 
 def functions(dump: str) -> dict[str, list[tuple[int, str]]]:
-    """cuobjdump -sass text -> mangled function name -> [(address, instruction)]."""
+    """cuobjdump -sass text -> mangled function name -> [(address, instruction)]; a function listed again (a helper
+    kernel in each of several cubins, disassemble) keeps its first listing."""
     found: dict[str, list[tuple[int, str]]] = {}
     current: list[tuple[int, str]] | None = None
     for line in dump.splitlines():
         if m := _FUNCTION.match(line):
-            current = found.setdefault(m.group(1), [])
+            current = None if m.group(1) in found else found.setdefault(m.group(1), [])
         elif current is not None and (m := _INSTRUCTION.match(line)):
             current.append((int(m.group(1), 16), m.group(2)))
     return found
@@ -160,11 +161,15 @@ def count(dump: str, addends: Addends = Addends()) -> list[LoopCount]:
 
 def disassemble(names: list[str], cuobjdump: str, text: str | None = None) -> str:
     """SASS of the instantiations `names` of a kernel source (default: the package's), built for sm_90 as the
-    compile check builds them (kernels.ptxas.compile_report)."""
+    compile check builds them (kernels.ptxas.build_parallel: several translation units at once)."""
+    dumps = []
     with tempfile.TemporaryDirectory() as tmp:
-        cubin = Path(tmp) / "unit.cubin"
-        cubin.write_bytes(ptxas.compile_report(names, "sm_90", text).cubin)
-        return subprocess.run([cuobjdump, "-sass", str(cubin)], check=True, capture_output=True, text=True).stdout
+        for i, build in enumerate(ptxas.build_parallel(names, "sm_90", text)):
+            cubin = Path(tmp) / f"unit{i}.cubin"
+            cubin.write_bytes(build.cubin)
+            dumps.append(subprocess.run([cuobjdump, "-sass", str(cubin)], check=True, capture_output=True,
+                                        text=True).stdout)
+    return "".join(dumps)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,7 +27,7 @@ import numpy as np
 from gemv_dispatch.dispatch.sweep import weight_copies
 from gemv_dispatch.dispatch.timing import CupyBackend, Launch, cell_seed, time_candidates
 from gemv_dispatch.kernels import launch
-from gemv_dispatch.kernels.codebooks import SUPERBLOCK
+from gemv_dispatch.kernels.codebooks import SUPERBLOCK, SUPERBLOCK_WEIGHTS
 from gemv_dispatch.kernels.errors import BLOCK
 from gemv_dispatch.kernels.registry import by_id
 
@@ -93,6 +93,7 @@ __global__ void __launch_bounds__(256, 1)
     if (acc == 0x9E3779B9u) sink[0] = acc;  // keeps the loads; practically never taken
 }
 """
+SB_BLOCKS = SUPERBLOCK_WEIGHTS // BLOCK  # WALK_KERNEL's 8 blocks a super-block
 WALKS = [(1, 128, 1), (1, 128, 2), (1, 256, 1), (4, 128, 1), (8, 128, 1), (16, 128, 1), (16, 128, 2)]  # (S, T, U)
 
 
@@ -104,8 +105,8 @@ def walk_launches(copies: list[Any], stream: Any) -> dict[str, Launch]:
     """A launch of WALK_KERNEL per (S, T, U) of WALKS over the weight copies, on `stream`."""
     w = copies[0]
     kb = w.k // BLOCK
-    widths = (entry_bytes(w.payload, kb, w.n), entry_bytes(w.high, kb, w.n), entry_bytes(w.min, kb // 8, w.n),
-              entry_bytes(w.sub, kb // 8, w.n))
+    widths = (entry_bytes(w.payload, kb, w.n), entry_bytes(w.high, kb, w.n), entry_bytes(w.min, kb // SB_BLOCKS, w.n),
+              entry_bytes(w.sub, kb // SB_BLOCKS, w.n))
     names = {(s, t, u): f"walk_read<{', '.join(map(str, widths))}, {u}>" for s, t, u in WALKS}
     module = cp.RawModule(code=WALK_KERNEL, options=("--std=c++17",), name_expressions=sorted(set(names.values())))
     with stream:
@@ -120,26 +121,39 @@ def walk_launches(copies: list[Any], stream: Any) -> dict[str, Launch]:
 
     launches = {}
     for (s, t, u), name in names.items():  # partitions of whole super-blocks (S as near as that allows)
-        width = -(-kb // 8 // s)
-        grid = (-(-w.n // t), -(-kb // 8 // width))
+        width = -(-kb // SB_BLOCKS // s)
+        grid = (-(-w.n // t), -(-kb // SB_BLOCKS // width))
         launches[f"walk.s{s}.t{t}.u{u}"] = partial(run, module.get_function(name), grid, t, width)
     return launches
 
 
-def time_cell(codebook: str, n: int, k: int, candidates: list[str], l2: int, sms: int,
-              stream: Any) -> dict[str, float]:
-    """Medians (µs) of the stream, the walks and the candidates of one cell, timed in one interleaved run."""
+def cell_inputs(codebook: str, n: int, k: int, candidates: list[str], l2: int,
+                stream: Any) -> tuple[list[Any], Any, Any]:
+    """One cell's inputs on `stream`, from the sweep's seeds: random weights in copies for cold L2, one row of
+    quantized activations, and a workspace for the kpar ones among `candidates` (None without)."""
     rng = cp.random.default_rng(cell_seed(codebook, n, k, CONFIG.seed))
     with stream:
         copies = weight_copies(codebook, n, k, rng, l2)
         x = cp.random.default_rng(cell_seed(codebook, 1, n, k)).standard_normal((1, k), dtype=cp.float32)
         qact = launch.quantize_activations(x, stream)
-        out = cp.empty((1, n), cp.float32)
         need = max((by_id(c).workspace_bytes(1, n, k) for c in candidates), default=0)
         ws = launch.new_workspace(need, n) if need else None
+    return copies, qact, ws
+
+
+def stream_launches(copies: list[Any], sms: int, stream: Any) -> dict[str, Launch]:
+    """bench/kernels.py's streaming read of the copies' bytes, at a few grids."""
     read = stream_reads(copies[0].nbytes, len(copies), stream)
-    launches: dict[str, Launch] = {f"stream.g{g}": partial(read, g) for g in (sms * 2, sms * 4, sms * 8)}
-    launches |= walk_launches(copies, stream)
+    return {f"stream.g{g}": partial(read, g) for g in (sms * 2, sms * 4, sms * 8)}
+
+
+def time_cell(codebook: str, n: int, k: int, candidates: list[str], l2: int, sms: int,
+              stream: Any) -> dict[str, float]:
+    """Medians (µs) of the stream, the walks and the candidates of one cell, timed in one interleaved run."""
+    copies, qact, ws = cell_inputs(codebook, n, k, candidates, l2, stream)
+    with stream:
+        out = cp.empty((1, n), cp.float32)
+    launches = stream_launches(copies, sms, stream) | walk_launches(copies, stream)
     for c in candidates:
         launches[c] = launch.bind(by_id(c), copies, qact, out, stream, ws)
     stream.synchronize()

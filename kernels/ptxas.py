@@ -99,12 +99,16 @@ def compile_report(kernel_names: list[str], arch: str = "sm_90", text: str | Non
 JOBS = min(16, os.cpu_count() or 1)  # parallel nvcc processes: nvcc is single-threaded, ~0.2 s per instantiation
 
 
-def compile_parallel(kernel_names: list[str], arch: str = "sm_90", text: str | None = None) -> list[KernelResources]:
-    """compile_report over JOBS translation units at once; one record per kernel (helpers once)."""
+def build_parallel(kernel_names: list[str], arch: str = "sm_90", text: str | None = None) -> list[Build]:
+    """compile_report over up to JOBS translation units at once, each of a share of `kernel_names`."""
     chunks = [kernel_names[i::JOBS] for i in range(min(JOBS, len(kernel_names)))]
     with ThreadPoolExecutor(len(chunks) or 1) as pool:
-        builds = list(pool.map(lambda chunk: compile_report(chunk, arch, text), chunks))
-    return list({r.name: r for b in builds for r in b.resources}.values())
+        return list(pool.map(lambda chunk: compile_report(chunk, arch, text), chunks))
+
+
+def compile_parallel(kernel_names: list[str], arch: str = "sm_90", text: str | None = None) -> list[KernelResources]:
+    """build_parallel's resources: one record per kernel (helpers once)."""
+    return list({r.name: r for b in build_parallel(kernel_names, arch, text) for r in b.resources}.values())
 
 
 def _arch(text: str) -> str:

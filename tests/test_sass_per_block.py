@@ -151,5 +151,6 @@ def test_sass_diff_names_the_functions_whose_instructions_differ():
     longer = diff.instructions(listing([*body, "LOP3.LUT R4, R4, 0xf0f0f0f, RZ, 0xc0, !PT"]))
     other = diff.instructions(listing(body, function="_Z12gemv_partialILi6ELi1ELi1ELb0EEvPKj"))
     assert diff.differing(base, moved) == []
+    assert diff.instructions(listing(body) + "\n" + listing(body)) == base  # listed in two cubins: once
     assert diff.differing(base, longer) == ["_Z12gemv_partialILi5ELi1ELi1ELb0EEvPKj"]
     assert diff.differing(base, base | other) == ["_Z12gemv_partialILi6ELi1ELi1ELb0EEvPKj"]
