@@ -13,19 +13,11 @@ with its balance, the mean columns per SM over the most any SM holds (CTAs sprea
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
-import cupy as cp
-import numpy as np
-from gemv_dispatch.dispatch.timing import CupyBackend, cell_seed, time_candidates
-from gemv_dispatch.kernels import launch
 from gemv_dispatch.kernels.registry import Candidate, by_id
-from walk_read import arguments, cell_inputs, stream_launches, study
+from walk_read import REFERENCE, arguments, bound, cell_inputs, checked_medians, study
 
-from kernels import CONFIG
-
-REFERENCE = "wide.s1.t128.c1.st"  # S = 1 in the registry
 WIDTHS = (32, 64, 96, 128, 160, 192, 224, 256)  # threads (columns) per CTA, whole warps
 
 
@@ -43,23 +35,11 @@ def time_cell(codebook: str, n: int, k: int, candidates: list[str], l2: int, sms
               stream: Any) -> dict[str, float]:
     """Medians (µs) of the variants, the candidates and the stream of one cell, timed in one interleaved run."""
     copies, qact, ws = cell_inputs(codebook, n, k, candidates, l2, stream)
-    launches, outs = {}, {}
     chosen = {f"{variant(t).id}.b{balance(n, t, sms):.2f}": variant(t) for t in WIDTHS if variant(t).valid(1, n, k)}
     chosen |= {c: by_id(c) for c in dict.fromkeys([REFERENCE, *candidates])}
-    for name, cand in chosen.items():
-        with stream:
-            outs[name] = cp.full((1, n), np.nan, cp.float32)
-        launches[name] = launch.bind(cand, copies, qact, outs[name], stream, ws)
-        launches[name](0)
-    stream.synchronize()
-    expected = cp.asnumpy(outs[REFERENCE]).view(np.uint32)
-    for name, cand in chosen.items():
-        if cand.split(k) == 1 and not np.array_equal(cp.asnumpy(outs[name]).view(np.uint32), expected):
-            raise SystemExit(f"{codebook} {n}x{k} {name}: the output differs from {REFERENCE}'s (S = 1)")
-    launches |= stream_launches(copies, sms, stream)
-    stats = time_candidates(launches, len(copies), replace(CONFIG, race=False), CupyBackend(stream),
-                            seed=cell_seed(codebook, 1, n, k))
-    return {name: st.median_us for name, st in stats.items()}
+    launches, outs = bound(chosen, copies, qact, ws, stream)
+    s1 = [name for name, cand in chosen.items() if cand.split(k) == 1]
+    return checked_medians(codebook, n, k, launches, outs, s1, copies, sms, stream)
 
 
 def main() -> None:

@@ -17,19 +17,16 @@ registry candidates named by --candidates and the streaming read of the same byt
 
 from __future__ import annotations
 
-from dataclasses import replace
 from functools import partial
 from typing import Any
 
 import cupy as cp
 import numpy as np
-from gemv_dispatch.dispatch.timing import CupyBackend, Launch, cell_seed, time_candidates
+from gemv_dispatch.dispatch.timing import Launch
 from gemv_dispatch.kernels import launch, program, ptxas
 from gemv_dispatch.kernels.errors import BLOCK
 from gemv_dispatch.kernels.registry import CODEBOOK_IDS, STAGED_BLOCK_BYTES, by_id
-from walk_read import arguments, cell_inputs, stream_launches, study
-
-from kernels import CONFIG
+from walk_read import REFERENCE, arguments, bound, cell_inputs, checked_medians, nan_output, study
 
 LANES_KERNEL = r"""
 // M = 1, S = 1: L lanes per output column (adjacent threads of a warp); lane l walks super-blocks l, l + L, ...
@@ -97,9 +94,6 @@ __global__ void gemv_lanes(GEMV_PARAMS) {
 """
 LANES = (1, 2, 4, 8)
 THREADS = (128, 256)
-REFERENCE = "wide.s1.t128.c1.st"  # S = 1 in the registry
-
-
 def kernel_name(codebook: str, lanes: int) -> str:
     return f"gemv_lanes<{CODEBOOK_IDS[codebook]}, {lanes}>"
 
@@ -126,31 +120,18 @@ def time_cell(module: Any, codebook: str, n: int, k: int, candidates: list[str],
         kernel((grid,), (threads,), (*copies[i].plane_args(), *tail, out, np.uint64(0)),
                shared_mem=STAGED_BLOCK_BYTES * kb, stream=stream)
 
-    launches: dict[str, Launch] = {}
-    outs = {}
+    lane_launches: dict[str, Launch] = {}
+    lane_outs = {}
     for lanes in LANES:
         kernel = module.get_function(kernel_name(codebook, lanes))
         for threads in THREADS:
             name = f"lanes.l{lanes}.t{threads}"
-            with stream:
-                outs[name] = cp.full((1, n), np.nan, cp.float32)
-            launches[name] = partial(run, kernel, -(-n * lanes // threads), threads, outs[name])
-    for c in dict.fromkeys([REFERENCE, *candidates]):
-        with stream:
-            outs[c] = cp.full((1, n), np.nan, cp.float32)
-        launches[c] = launch.bind(by_id(c), copies, qact, outs[c], stream, ws)
-    for fn in launches.values():
-        fn(0)
-    stream.synchronize()
-    expected = cp.asnumpy(outs[REFERENCE]).view(np.uint32)
-    for name, out in outs.items():
-        same_identity = name.startswith("lanes") or by_id(name).split(k) == 1
-        if same_identity and not np.array_equal(cp.asnumpy(out).view(np.uint32), expected):
-            raise SystemExit(f"{codebook} {n}x{k} {name}: the output differs from {REFERENCE}'s (S = 1)")
-    launches |= stream_launches(copies, sms, stream)
-    stats = time_candidates(launches, len(copies), replace(CONFIG, race=False), CupyBackend(stream),
-                            seed=cell_seed(codebook, 1, n, k))
-    return {name: st.median_us for name, st in stats.items()}
+            lane_outs[name] = nan_output(n, stream)
+            lane_launches[name] = partial(run, kernel, -(-n * lanes // threads), threads, lane_outs[name])
+    cands = {c: by_id(c) for c in dict.fromkeys([REFERENCE, *candidates])}
+    launches, outs = bound(cands, copies, qact, ws, stream)
+    s1 = [*lane_launches, *(c for c, cand in cands.items() if cand.split(k) == 1)]
+    return checked_medians(codebook, n, k, lane_launches | launches, lane_outs | outs, s1, copies, sms, stream)
 
 
 def main() -> None:

@@ -29,9 +29,11 @@ from gemv_dispatch.dispatch.timing import CupyBackend, Launch, cell_seed, time_c
 from gemv_dispatch.kernels import launch
 from gemv_dispatch.kernels.codebooks import SUPERBLOCK, SUPERBLOCK_WEIGHTS
 from gemv_dispatch.kernels.errors import BLOCK
-from gemv_dispatch.kernels.registry import by_id
+from gemv_dispatch.kernels.registry import Candidate, by_id
 
 from kernels import CONFIG, stream_reads
+
+REFERENCE = "wide.s1.t128.c1.st"  # S = 1 in the registry: the bytes an S = 1 variant must give
 
 WALK_KERNEL = r"""
 typedef unsigned int u32;
@@ -145,6 +147,37 @@ def stream_launches(copies: list[Any], sms: int, stream: Any) -> dict[str, Launc
     """bench/kernels.py's streaming read of the copies' bytes, at a few grids."""
     read = stream_reads(copies[0].nbytes, len(copies), stream)
     return {f"stream.g{g}": partial(read, g) for g in (sms * 2, sms * 4, sms * 8)}
+
+
+def nan_output(n: int, stream: Any) -> Any:
+    """An M = 1 output of N columns on `stream`, NaN until a launch writes it."""
+    with stream:
+        return cp.full((1, n), np.nan, cp.float32)
+
+
+def bound(cands: dict[str, Candidate], copies: list[Any], qact: Any, ws: Any,
+          stream: Any) -> tuple[dict[str, Launch], dict[str, Any]]:
+    """A launch of each candidate (by name) over the copies into an output of its own (nan_output), by name."""
+    outs = {name: nan_output(copies[0].n, stream) for name in cands}
+    return {name: launch.bind(c, copies, qact, outs[name], stream, ws) for name, c in cands.items()}, outs
+
+
+def checked_medians(codebook: str, n: int, k: int, launches: dict[str, Launch], outs: dict[str, Any],
+                    s1: list[str], copies: list[Any], sms: int, stream: Any) -> dict[str, float]:
+    """Each launch run once into its output (`outs`, by name; REFERENCE's among them); the launches named in `s1`
+    (S = 1's identity) must give REFERENCE's bytes. Then one interleaved timing run of the launches and the streaming
+    read of the copies' bytes (the sweep's harness, no racing): medians (µs) by name."""
+    for fn in launches.values():
+        fn(0)
+    stream.synchronize()
+    expected = cp.asnumpy(outs[REFERENCE]).view(np.uint32)
+    for name in s1:
+        if not np.array_equal(cp.asnumpy(outs[name]).view(np.uint32), expected):
+            raise SystemExit(f"{codebook} {n}x{k} {name}: the output differs from {REFERENCE}'s (S = 1)")
+    timed = launches | stream_launches(copies, sms, stream)
+    stats = time_candidates(timed, len(copies), replace(CONFIG, race=False), CupyBackend(stream),
+                            seed=cell_seed(codebook, 1, n, k))
+    return {name: st.median_us for name, st in stats.items()}
 
 
 def time_cell(codebook: str, n: int, k: int, candidates: list[str], l2: int, sms: int,
