@@ -94,6 +94,8 @@ __global__ void gemv_lanes(GEMV_PARAMS) {
 """
 LANES = (1, 2, 4, 8)
 THREADS = (128, 256)
+
+
 def kernel_name(codebook: str, lanes: int) -> str:
     return f"gemv_lanes<{CODEBOOK_IDS[codebook]}, {lanes}>"
 
