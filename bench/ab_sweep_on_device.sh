@@ -10,6 +10,7 @@
 # Under $OUT: ab.tgz (every A/B log and JSON), decide.txt (the verdict per cell) and the sweep's three files (none
 # when the source kept is the one the committed corpus was swept with).
 # SWEEP_DEVICES=0,1 (a machine of two GPUs) sweeps on both, one child process each (sweep_on_device.sh's DEVICES).
+# CALL_SECONDS (default 575): what this script may take in all; less where the call runs something before it.
 # Mirror the verdict in the tree the next call sends (revert the same patches there if decide.txt ends "baseline's").
 # A spec cut by SECONDS before its last requested cell gives no verdict (and no sweep) unless a measured cell already
 # keeps the baseline: size SECONDS for the longest spec (H200, compile included: direct about 30 s a codebook at
@@ -46,5 +47,5 @@ print(program.digest()[:12]); load(sys.argv[1], kernel_digest=program.digest())"
     echo "kernel digest $digest is the committed corpus's: no sweep"; exit 0
 fi
 echo "sweeping kernel digest $digest"
-bash bench/sweep_on_device.sh all 1,4,16 graph $(( 575 - ($(date +%s) - start) )) "${SWEEP_DEVICES:-}" /tmp/sw/corpus
+bash bench/sweep_on_device.sh all 1,4,16 graph $(( ${CALL_SECONDS:-575} - ($(date +%s) - start) )) "${SWEEP_DEVICES:-}" /tmp/sw/corpus
 echo "call: $(( $(date +%s) - start )) s"
