@@ -21,10 +21,6 @@ from walk_read import REFERENCE, arguments, bound, cell_inputs, checked_medians,
 WIDTHS = (32, 64, 96, 128, 160, 192, 224, 256)  # threads (columns) per CTA, whole warps
 
 
-def variant(threads: int) -> Candidate:
-    return Candidate("wide", 1, threads, 1, staged=True)
-
-
 def balance(n: int, threads: int, sms: int) -> float:
     """Mean columns per SM over the most one SM holds, with the CTAs of `threads` columns spread evenly."""
     ctas = -(-n // threads)
@@ -35,7 +31,8 @@ def time_cell(codebook: str, n: int, k: int, candidates: list[str], l2: int, sms
               stream: Any) -> dict[str, float]:
     """Medians (µs) of the variants, the candidates and the stream of one cell, timed in one interleaved run."""
     copies, qact, ws = cell_inputs(codebook, n, k, candidates, l2, stream)
-    chosen = {f"{variant(t).id}.b{balance(n, t, sms):.2f}": variant(t) for t in WIDTHS if variant(t).valid(1, n, k)}
+    widths = {t: Candidate("wide", 1, t, 1, staged=True) for t in WIDTHS}
+    chosen = {f"{c.id}.b{balance(n, t, sms):.2f}": c for t, c in widths.items() if c.valid(1, n, k)}
     chosen |= {c: by_id(c) for c in dict.fromkeys([REFERENCE, *candidates])}
     launches, outs = bound(chosen, copies, qact, ws, stream)
     s1 = [name for name, cand in chosen.items() if cand.split(k) == 1]

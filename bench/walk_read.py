@@ -174,8 +174,13 @@ def checked_medians(codebook: str, n: int, k: int, launches: dict[str, Launch], 
     for name in s1:
         if not np.array_equal(cp.asnumpy(outs[name]).view(np.uint32), expected):
             raise SystemExit(f"{codebook} {n}x{k} {name}: the output differs from {REFERENCE}'s (S = 1)")
-    timed = launches | stream_launches(copies, sms, stream)
-    stats = time_candidates(timed, len(copies), replace(CONFIG, race=False), CupyBackend(stream),
+    return medians(codebook, n, k, launches | stream_launches(copies, sms, stream), len(copies), stream)
+
+
+def medians(codebook: str, n: int, k: int, launches: dict[str, Launch], copies: int, stream: Any) -> dict[str, float]:
+    """One interleaved timing run of the launches over `copies` weight copies (the sweep's harness, no racing):
+    medians (µs) by name."""
+    stats = time_candidates(launches, copies, replace(CONFIG, race=False), CupyBackend(stream),
                             seed=cell_seed(codebook, 1, n, k))
     return {name: st.median_us for name, st in stats.items()}
 
@@ -190,13 +195,12 @@ def time_cell(codebook: str, n: int, k: int, candidates: list[str], l2: int, sms
     for c in candidates:
         launches[c] = launch.bind(by_id(c), copies, qact, out, stream, ws)
     stream.synchronize()
-    stats = time_candidates(launches, len(copies), replace(CONFIG, race=False), CupyBackend(stream),
-                            seed=cell_seed(codebook, 1, n, k))
-    return {name: st.median_us for name, st in stats.items()}
+    return medians(codebook, n, k, launches, len(copies), stream)
 
 
 def arguments(description: str, timed: str) -> argparse.Namespace:
-    """The options of the M = 1 studies (this and lanes_variant.py); `timed`: what the candidates are timed beside."""
+    """The options of the M = 1 studies (this, lanes_variant.py and grid_balance.py); `timed`: what the candidates
+    are timed beside."""
     ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--codebooks", default="Q4_K,IQ4_XS")
     ap.add_argument("--shapes", default="27648x5120,5120x27648")
