@@ -18,7 +18,9 @@ refused, with the cell and candidate named. A source without the staged walks' s
 versions before 55) launches with the shared memory it asks for without one (Candidate.shared_bytes without a
 codebook): the ring's bytes would cost it occupancy it never uses. `--ring-min-blocks TAG=BLOCKS` gives version TAG's
 staged walks the ring from BLOCKS blocks a thread instead of registry.RING_MIN_BLOCKS (a source may be the tree's
-own, to time the threshold alone). Each cell's line is printed, and --out
+own, to time the threshold alone); `--ring-shared-limit BYTES` gives every version's ring up to BYTES of shared memory
+a CTA (Hopper opts in to 227 KB). Each version's ring has the slots its source declares (`PIPE_SLOTS`), and its
+launches the shared memory of that many. Each cell's line is printed, and --out
 rewritten, as soon as it is timed, so a run cut by a time limit keeps what it finished.
 """
 
@@ -37,12 +39,13 @@ import numpy as np
 from anchors import ANCHORS
 from gemv_dispatch.dispatch.sweep import sweep_timing, weight_copies
 from gemv_dispatch.dispatch.timing import CupyBackend, cell_seed, time_candidates
-from gemv_dispatch.kernels import launch, program, ptxas
-from gemv_dispatch.kernels.registry import CANDIDATES, RING_MIN_BLOCKS, candidates_for, ticket_words
+from gemv_dispatch.kernels import launch, program, ptxas, registry
+from gemv_dispatch.kernels.registry import CANDIDATES, PIPE_SLOTS, RING_MIN_BLOCKS, candidates_for, ticket_words
 
 CONFIG = replace(sweep_timing(), window_us=300.0, race=False)
 TREE = "tree"
 RING_MARK = "CopyTo"  # the staged walks' shared-memory ring (version 55 on)
+RING_SLOTS = re.compile(r"constexpr int PIPE_SLOTS = (\d+);")  # the ring's slots a thread, as a source declares them
 _MMA_TEMPLATE = re.compile(r"template <([^<>]*)>\s*__global__ void [^\n]*\bgemv_mma\(")
 
 
@@ -61,10 +64,11 @@ def spelled(name: str, arity: int) -> str:
     return "gemv_mma<" + ", ".join(name[len("gemv_mma<"):-1].split(", ")[:arity]) + ">"
 
 
-def time_cell(modules: dict[str, tuple[Any, int]], rings: dict[str, int | None], codebook: str, m: int, n: int,
-              k: int, families: list[str], stream: Any, l2: int) -> list[dict[str, Any]]:
+def time_cell(modules: dict[str, tuple[Any, int]], rings: dict[str, tuple[int, int] | None], codebook: str, m: int,
+              n: int, k: int, families: list[str], stream: Any, l2: int) -> list[dict[str, Any]]:
     """Every version of every candidate of `families` in the cell: medians (µs) by version, bytes checked first;
-    rings[tag]: from how many blocks a thread that version's staged walks take the ring (None: no ring)."""
+    rings[tag]: from how many blocks a thread that version's staged walks take the ring, and its slots (None: no
+    ring)."""
     rng = cp.random.default_rng(cell_seed(codebook, n, k, CONFIG.seed))
     with stream:
         copies = weight_copies(codebook, n, k, rng, l2, CONFIG.cold_l2)
@@ -81,7 +85,7 @@ def time_cell(modules: dict[str, tuple[Any, int]], rings: dict[str, int | None],
                 ws = launch.new_workspace(need, n) if need else None
             plans = [launch.plan(c, w, m) for w in copies]
             ring = rings[tag]
-            shared = c.shared_bytes(m, k) if ring is None else c.shared_bytes(m, k, codebook, ring_min_blocks=ring)
+            shared = c.shared_bytes(m, k) if ring is None else c.shared_bytes(m, k, codebook, *ring)
             plans = [replace(p, shared=shared) for p in plans]
             if module is not None:
                 name = spelled(c.kernel_name(codebook, m), arity)
@@ -153,8 +157,12 @@ def main() -> None:
     ap.add_argument("--shapes", help="NxK,... (default: the anchors)")
     ap.add_argument("--ring-min-blocks", action="append", default=[], metavar="TAG=BLOCKS",
                     help="the ring from BLOCKS blocks a thread for version TAG (a source's stem, or tree)")
+    ap.add_argument("--ring-shared-limit", type=int, metavar="BYTES",
+                    help="each version's ring where its CTA's shared memory fits BYTES (registry.RING_SHARED_LIMIT)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
+    if args.ring_shared_limit:  # read at each launch's shared_bytes and opt_in
+        registry.RING_SHARED_LIMIT = launch.RING_SHARED_LIMIT = args.ring_shared_limit
     started = time.time()
     stream = cp.cuda.Stream(non_blocking=True)
     l2 = int(cp.cuda.runtime.getDeviceProperties(0)["l2CacheSize"])
@@ -167,8 +175,8 @@ def main() -> None:
     thresholds = dict(spec.split("=") for spec in args.ring_min_blocks)
     if unknown := thresholds.keys() - every.keys():
         raise SystemExit(f"--ring-min-blocks names no version: {', '.join(sorted(unknown))}")
-    rings = {tag: int(thresholds.get(tag, RING_MIN_BLOCKS)) if RING_MARK in text else None
-             for tag, text in every.items()}
+    rings = {tag: (int(thresholds.get(tag, RING_MIN_BLOCKS)), int(slots.group(1)) if (slots := RING_SLOTS.search(text))
+                   else PIPE_SLOTS) if RING_MARK in text else None for tag, text in every.items()}
     families = args.family.split(",")
     regs = registers(every, arities, families, codebooks, ms)
     rows: list[dict[str, Any]] = []
