@@ -129,9 +129,10 @@ def main(argv: list[str] | None = None) -> int:
     names = sorted({name for _, name in instantiations()})
     try:
         report = compile_parallel(names, args.arch)
-    except RuntimeError as failed:  # nvcc's own error, e.g. an architecture it does not know
-        last = [line for line in str(failed).splitlines() if line.strip()][-1]
-        print(f"error: nvcc failed for {args.arch}: {last}", file=sys.stderr)
+    except RuntimeError as failed:  # nvcc's own error, e.g. an architecture it does not know or a source it refuses
+        lines = [line.strip() for line in str(failed).splitlines()[1:] if line.strip()]
+        first = next((line for line in lines if "error" in line.lower()), lines[-1] if lines else str(failed))
+        print(f"error: nvcc failed for {args.arch}: {first}", file=sys.stderr)
         return 1
     if offenders := [r for r in report if not r.spill_free]:
         print("\n".join(r.describe() for r in offenders), file=sys.stderr)

@@ -142,6 +142,20 @@ def test_the_spill_check_command_names_an_architecture_nvcc_refuses(capsys):
     assert err.startswith("error: nvcc failed for sm_10:") and len(err.splitlines()) == 1
 
 
+@needs_nvcc
+def test_the_spill_check_command_names_the_compilers_error_in_a_source_it_refuses(monkeypatch, capsys):
+    """A kernel source nvcc refuses: the one line printed is the compiler's error, not the last line of its excerpt
+    (a caret or a blank gutter)."""
+    from gemv_dispatch.kernels import ptxas
+
+    broken = program.source() + "\n#error deliberately broken\n"
+    monkeypatch.setattr(program, "source", lambda: broken)
+    assert ptxas.main([]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: nvcc failed for sm_90:") and "deliberately broken" in err
+    assert len(err.splitlines()) == 1
+
+
 def test_report_parser_names_both_engines():
     assert source_name("_Z8gemv_mmaILi5ELi2ELi2ELb1EEvPKjS1_PKtS3_PKiPKfS5_iiiiPf") == "gemv_mma<5, 2, 2, true>"
     assert source_name("_Z8gemv_mmaILi0ELi2ELi1ELb0ELi256EEvPKjS1_PKtS3_PKhPKiPKfS7_iiiiPfSA_") == (
