@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from gemv_dispatch.kernels.registry import instantiations
-from sass_per_block import disassemble, functions
+from sass_per_block import build_error, disassemble, functions
 
 
 def instructions(dump: str) -> dict[str, list[str]]:
@@ -49,10 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         old = instructions(disassemble(names, args.cuobjdump, args.old.read_text()))
         new = instructions(disassemble(names, args.cuobjdump, args.new.read_text() if args.new else None))
-    except (RuntimeError, subprocess.CalledProcessError) as failed:  # nvcc (compile_report) or cuobjdump
-        text = failed.stderr if isinstance(failed, subprocess.CalledProcessError) else str(failed)
-        print(f"error: {([line for line in text.splitlines() if line.strip()] or ['failed'])[-1]}", file=sys.stderr)
-        return 1
+    except (RuntimeError, ValueError, subprocess.CalledProcessError) as failed:
+        print(f"error: {build_error(failed)}", file=sys.stderr)
+        return 2 if isinstance(failed, ValueError) else 1  # a file that is no kernel source: a usage error
     changed = differing(old, new)
     print(f"{len(old.keys() | new.keys())} functions, {len(changed)} with different SASS")
     for name in changed:

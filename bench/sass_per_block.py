@@ -159,6 +159,12 @@ def count(dump: str, addends: Addends = Addends()) -> list[LoopCount]:
     return sorted((c for c in found if c is not None), key=lambda c: c.kernel)
 
 
+def build_error(failed: RuntimeError | ValueError | subprocess.CalledProcessError) -> str:
+    """The line that names why disassemble failed: nvcc's (kernels.ptxas.compile_report), cuobjdump's, or a source
+    without the GEMV kernels (kernels.program)."""
+    return ptxas.error_line(failed.stderr if isinstance(failed, subprocess.CalledProcessError) else str(failed))
+
+
 def disassemble(names: list[str], cuobjdump: str, text: str | None = None) -> str:
     """SASS of the instantiations `names` of a kernel source (default: the package's), built for sm_90 as the
     compile check builds them (kernels.ptxas.build_parallel: several translation units at once)."""
@@ -188,9 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         results = {tag: count(disassemble(args.kernels, args.cuobjdump, text), Addends.of(text or package))
                    for tag, text in sources.items()}
-    except (RuntimeError, subprocess.CalledProcessError) as failed:  # nvcc (compile_report) or cuobjdump
-        text = failed.stderr if isinstance(failed, subprocess.CalledProcessError) else str(failed)
-        print(f"error: {([line for line in text.splitlines() if line.strip()] or ['failed'])[-1]}", file=sys.stderr)
+    except (RuntimeError, ValueError, subprocess.CalledProcessError) as failed:
+        print(f"error: {build_error(failed)}", file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps({tag: [asdict(c) | {"per_unit": c.per_unit, "per_weight_byte": per_weight_byte(c)} for c in cs]

@@ -64,6 +64,15 @@ def spelled(name: str, arity: int) -> str:
     return "gemv_mma<" + ", ".join(name[len("gemv_mma<"):-1].split(", ")[:arity]) + ">"
 
 
+def ring_of(text: str, threshold: int) -> tuple[int, int] | None:
+    """A source's ring as Candidate.shared_bytes sizes it, (from how many blocks a thread, slots a thread), or None
+    for a source without one."""
+    if RING_MARK not in text:
+        return None
+    slots = RING_SLOTS.search(text)
+    return threshold, int(slots.group(1)) if slots else PIPE_SLOTS
+
+
 def time_cell(modules: dict[str, tuple[Any, int]], rings: dict[str, tuple[int, int] | None], codebook: str, m: int,
               n: int, k: int, families: list[str], stream: Any, l2: int) -> list[dict[str, Any]]:
     """Every version of every candidate of `families` in the cell: medians (µs) by version, bytes checked first;
@@ -120,9 +129,8 @@ def registers(texts: dict[str, str], arities: dict[str, int], families: list[str
         try:
             built = ptxas.compile_parallel(sorted({spelled(n, arities[tag]) for n in names}), text=text)
         except RuntimeError as failed:  # e.g. 44 has no Q6_K ring, whose candidates the tree launches since 49
-            error = next((line.strip() for line in str(failed).splitlines() if "error" in line), str(failed))
             raise SystemExit(f"{tag} cannot build the tree's instantiations of {','.join(codebooks)} "
-                             f"(leave out the codebooks it lacks): {error}") from None
+                             f"(leave out the codebooks it lacks): {ptxas.error_line(str(failed))}") from None
         if spills := [r.describe() for r in built if not r.spill_free]:
             raise SystemExit(f"{tag} spills: {'; '.join(spills)}")
         found[tag] = {r.name: r.registers for r in built if r.name not in program.HELPER_KERNELS}
@@ -175,8 +183,7 @@ def main() -> None:
     thresholds = dict(spec.split("=") for spec in args.ring_min_blocks)
     if unknown := thresholds.keys() - every.keys():
         raise SystemExit(f"--ring-min-blocks names no version: {', '.join(sorted(unknown))}")
-    rings = {tag: (int(thresholds.get(tag, RING_MIN_BLOCKS)), int(slots.group(1)) if (slots := RING_SLOTS.search(text))
-                   else PIPE_SLOTS) if RING_MARK in text else None for tag, text in every.items()}
+    rings = {tag: ring_of(text, int(thresholds.get(tag, RING_MIN_BLOCKS))) for tag, text in every.items()}
     families = args.family.split(",")
     regs = registers(every, arities, families, codebooks, ms)
     rows: list[dict[str, Any]] = []

@@ -96,6 +96,13 @@ def compile_report(kernel_names: list[str], arch: str = "sm_90", text: str | Non
     return Build(parse_report(done.stderr + done.stdout), ptx, cubin)
 
 
+def error_line(output: str) -> str:
+    """The line of a compiler's output that names its error: the first that says so (nvcc prints an excerpt with a
+    caret gutter after it), else the last that is not blank."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    return next((line for line in lines if "error" in line.lower()), lines[-1] if lines else "failed")
+
+
 JOBS = min(16, os.cpu_count() or 1)  # parallel nvcc processes: nvcc is single-threaded, ~0.2 s per instantiation
 
 
@@ -130,9 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         report = compile_parallel(names, args.arch)
     except RuntimeError as failed:  # nvcc's own error, e.g. an architecture it does not know or a source it refuses
-        lines = [line.strip() for line in str(failed).splitlines()[1:] if line.strip()]
-        first = next((line for line in lines if "error" in line.lower()), lines[-1] if lines else str(failed))
-        print(f"error: nvcc failed for {args.arch}: {first}", file=sys.stderr)
+        print(f"error: nvcc failed for {args.arch}: {error_line(str(failed))}", file=sys.stderr)
         return 1
     if offenders := [r for r in report if not r.spill_free]:
         print("\n".join(r.describe() for r in offenders), file=sys.stderr)

@@ -156,6 +156,16 @@ def test_the_spill_check_command_names_the_compilers_error_in_a_source_it_refuse
     assert len(err.splitlines()) == 1
 
 
+def test_the_error_line_is_the_compilers_error_not_its_excerpt():
+    from gemv_dispatch.kernels.ptxas import error_line
+
+    excerpt = "nvcc failed (1):\nk.cu(3): error: identifier \"x\" is undefined\n  int y = x;\n          ^\n\n"
+    assert error_line(excerpt) == 'k.cu(3): error: identifier "x" is undefined'
+    fatal = "nvcc fatal   : Unsupported gpu architecture 'compute_10'"
+    assert error_line(f"nvcc failed (1):\n{fatal}\n") == fatal  # no line says error: the last one
+    assert error_line("\n \n") == "failed"
+
+
 def test_report_parser_names_both_engines():
     assert source_name("_Z8gemv_mmaILi5ELi2ELi2ELb1EEvPKjS1_PKtS3_PKiPKfS5_iiiiPf") == "gemv_mma<5, 2, 2, true>"
     assert source_name("_Z8gemv_mmaILi0ELi2ELi1ELb0ELi256EEvPKjS1_PKtS3_PKhPKiPKfS7_iiiiPfSA_") == (
