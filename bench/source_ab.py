@@ -19,9 +19,10 @@ versions before 55) launches with the shared memory it asks for without one (Can
 codebook): the ring's bytes would cost it occupancy it never uses. `--ring-min-blocks TAG=BLOCKS` gives version TAG's
 staged walks the ring from BLOCKS blocks a thread instead of registry.RING_MIN_BLOCKS (a source may be the tree's
 own, to time the threshold alone); `--ring-shared-limit BYTES` gives every version's ring up to BYTES of shared memory
-a CTA (Hopper opts in to 227 KB). Each version's ring has the slots its source declares (`PIPE_SLOTS`), and its
-launches the shared memory of that many. Each cell's line is printed, and --out
-rewritten, as soon as it is timed, so a run cut by a time limit keeps what it finished.
+a CTA (Hopper opts in to 227 KB). `--unchecked TAG` times version TAG without the byte comparison: a study variant
+that leaves work out (e.g. kpar's fold) to price it, never a version to register; its rows name it. Each version's
+ring has the slots its source declares (`PIPE_SLOTS`), and its launches the shared memory of that many. Each cell's
+line is printed, and --out rewritten, as soon as it is timed, so a run cut by a time limit keeps what it finished.
 """
 
 from __future__ import annotations
@@ -74,10 +75,11 @@ def ring_of(text: str, threshold: int) -> tuple[int, int] | None:
 
 
 def time_cell(modules: dict[str, tuple[Any, int]], rings: dict[str, tuple[int, int] | None], codebook: str, m: int,
-              n: int, k: int, families: list[str], stream: Any, l2: int) -> list[dict[str, Any]]:
-    """Every version of every candidate of `families` in the cell: medians (µs) by version, bytes checked first;
-    rings[tag]: from how many blocks a thread that version's staged walks take the ring, and its slots (None: no
-    ring)."""
+              n: int, k: int, families: list[str], stream: Any, l2: int,
+              unchecked: frozenset[str] = frozenset()) -> list[dict[str, Any]]:
+    """Every version of every candidate of `families` in the cell: medians (µs) by version, bytes checked first
+    (but those of the `unchecked` versions); rings[tag]: from how many blocks a thread that version's staged walks
+    take the ring, and its slots (None: no ring)."""
     rng = cp.random.default_rng(cell_seed(codebook, n, k, CONFIG.seed))
     with stream:
         copies = weight_copies(codebook, n, k, rng, l2, CONFIG.cold_l2)
@@ -104,6 +106,8 @@ def time_cell(modules: dict[str, tuple[Any, int]], rings: dict[str, tuple[int, i
             results[(tag, c.id)] = (out, ws)
     stream.synchronize()
     for (tag, cid), (out, ws) in results.items():
+        if tag in unchecked:
+            continue
         where = f"{codebook} M={m} {n}x{k} {cid} ({tag})"
         if not np.array_equal(cp.asnumpy(out).view(np.uint32), cp.asnumpy(results[(TREE, cid)][0]).view(np.uint32)):
             raise SystemExit(f"{where}: the output differs from the working tree's source")
@@ -111,7 +115,8 @@ def time_cell(modules: dict[str, tuple[Any, int]], rings: dict[str, tuple[int, i
             raise SystemExit(f"{where}: the launch left its tickets nonzero")
     stats = time_candidates(launches, len(copies), CONFIG, CupyBackend(stream), seed=cell_seed(codebook, m, n, k))
     return [{"codebook": codebook, "m": m, "n": n, "k": k, "candidate": c.id,
-             "us": {tag: stats[f"{tag}:{c.id}"].median_us for tag in modules}} for c in candidates]
+             "us": {tag: stats[f"{tag}:{c.id}"].median_us for tag in modules}}
+            | ({"unchecked": sorted(unchecked)} if unchecked else {}) for c in candidates]
 
 
 def family_kernels(families: list[str], codebooks: list[str], ms: list[int]) -> list[str]:
@@ -167,6 +172,8 @@ def main() -> None:
                     help="the ring from BLOCKS blocks a thread for version TAG (a source's stem, or tree)")
     ap.add_argument("--ring-shared-limit", type=int, metavar="BYTES",
                     help="each version's ring where its CTA's shared memory fits BYTES (registry.RING_SHARED_LIMIT)")
+    ap.add_argument("--unchecked", action="append", default=[], metavar="TAG",
+                    help="time version TAG without comparing its bytes (a study variant; never to register)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     if args.ring_shared_limit:  # read at each launch's shared_bytes and opt_in
@@ -183,6 +190,8 @@ def main() -> None:
     thresholds = dict(spec.split("=") for spec in args.ring_min_blocks)
     if unknown := thresholds.keys() - every.keys():
         raise SystemExit(f"--ring-min-blocks names no version: {', '.join(sorted(unknown))}")
+    if unknown := set(args.unchecked) - texts.keys():
+        raise SystemExit(f"--unchecked names no source: {', '.join(sorted(unknown))}")
     rings = {tag: ring_of(text, int(thresholds.get(tag, RING_MIN_BLOCKS))) for tag, text in every.items()}
     families = args.family.split(",")
     regs = registers(every, arities, families, codebooks, ms)
@@ -209,7 +218,7 @@ def main() -> None:
                    for tag, text in texts.items()} | {TREE: (None, arities[TREE])}
         for m in ms:
             for n, k in shapes:
-                cell = time_cell(modules, rings, codebook, m, n, k, families, stream, l2)
+                cell = time_cell(modules, rings, codebook, m, n, k, families, stream, l2, frozenset(args.unchecked))
                 rows += cell
                 print(cell_line(cell, tags), flush=True)
                 save()
