@@ -12,10 +12,10 @@ mkdir -p "$dir"
 git -C "$root" show HEAD:kernels/cuda/gemv.cu > "$dir/head.cu"
 scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT
+mkdir -p "$scratch/kernels/cuda"
 for name in "$@"; do
     patch="$root/bench/results/$name.patch"
     if [ ! -f "$patch" ]; then echo "no patch bench/results/$name.patch" >&2; exit 2; fi
-    mkdir -p "$scratch/kernels/cuda"
     cp "$dir/head.cu" "$scratch/kernels/cuda/gemv.cu"
     if ! (cd "$scratch" && git apply --include=kernels/cuda/gemv.cu "$patch"); then
         echo "$name does not apply to HEAD's kernel source" >&2; exit 1
