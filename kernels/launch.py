@@ -23,11 +23,11 @@ from functools import cache
 from typing import Any
 
 import numpy as np
-from gemv_dispatch.kernels import layout, program
+from gemv_dispatch.kernels import layout, program, registry
 from gemv_dispatch.kernels.codebooks import get
 from gemv_dispatch.kernels.emulate import QuantizedActivations
 from gemv_dispatch.kernels.errors import BLOCK, EnvironmentProblem, InputError
-from gemv_dispatch.kernels.registry import RING_SHARED_LIMIT, Candidate, kernel_names, ticket_words
+from gemv_dispatch.kernels.registry import Candidate, kernel_names, ticket_words
 
 try:
     import cupy
@@ -246,7 +246,7 @@ def opt_in(name: str, kernel: Any) -> Any:
     as they were). The other kernels keep the default: the ring kernels' 48 KB of static shared memory plus that
     much would pass the opt-in limit of some GPUs."""
     if name.startswith("gemv_staged<"):
-        kernel.max_dynamic_shared_size_bytes = RING_SHARED_LIMIT
+        kernel.max_dynamic_shared_size_bytes = registry.RING_SHARED_LIMIT  # read here: source_ab.py may raise it
     return kernel
 
 
