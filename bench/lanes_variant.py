@@ -17,16 +17,11 @@ registry candidates named by --candidates and the streaming read of the same byt
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any
 
-import cupy as cp
-import numpy as np
-from gemv_dispatch.dispatch.timing import Launch
-from gemv_dispatch.kernels import launch, program, ptxas
 from gemv_dispatch.kernels.errors import BLOCK
-from gemv_dispatch.kernels.registry import CODEBOOK_IDS, STAGED_BLOCK_BYTES, by_id
-from walk_read import REFERENCE, arguments, bound, cell_inputs, checked_medians, nan_output, study
+from gemv_dispatch.kernels.registry import CODEBOOK_IDS, STAGED_BLOCK_BYTES
+from walk_read import Variant, build_appended, variants_study
 
 LANES_KERNEL = r"""
 // M = 1, S = 1: L lanes per output column (adjacent threads of a warp); lane l walks super-blocks l, l + L, ...
@@ -101,47 +96,16 @@ def kernel_name(codebook: str, lanes: int) -> str:
 
 
 def build(codebooks: list[str]) -> tuple[Any, dict[str, int]]:
-    """The module of every (codebook, L) variant, and each one's registers (a variant that spills is refused)."""
-    text = program.source() + LANES_KERNEL
-    names = [kernel_name(cb, lanes) for cb in codebooks for lanes in LANES]
-    built = {r.name: r for r in ptxas.compile_parallel(names, text=text)}
-    if spills := [r.describe() for r in built.values() if not r.spill_free]:
-        raise SystemExit(f"spills: {'; '.join(spills)}")
-    module = cp.RawModule(code=text, options=program.CONTRACT_OPTIONS, name_expressions=names)
-    return module, {name: built[name].registers for name in names}
+    """The module of every (codebook, L) variant, and each one's registers."""
+    return build_appended(LANES_KERNEL, [kernel_name(cb, lanes) for cb in codebooks for lanes in LANES])
 
 
-def time_cell(module: Any, codebook: str, n: int, k: int, candidates: list[str], l2: int, sms: int,
-              stream: Any) -> dict[str, float]:
-    """Medians (µs) of the variants, the candidates and the stream of one cell, timed in one interleaved run."""
-    kb = k // BLOCK
-    copies, qact, ws = cell_inputs(codebook, n, k, candidates, l2, stream)
-    tail = (*launch.storage(qact), np.int32(1), np.int32(n), np.int32(kb), np.int32(kb))
-
-    def run(kernel: Any, grid: int, threads: int, out: Any, i: int) -> None:
-        kernel((grid,), (threads,), (*copies[i].plane_args(), *tail, out, np.uint64(0)),
-               shared_mem=STAGED_BLOCK_BYTES * kb, stream=stream)
-
-    lane_launches: dict[str, Launch] = {}
-    lane_outs = {}
-    for lanes in LANES:
-        kernel = module.get_function(kernel_name(codebook, lanes))
-        for threads in THREADS:
-            name = f"lanes.l{lanes}.t{threads}"
-            lane_outs[name] = nan_output(n, stream)
-            lane_launches[name] = partial(run, kernel, -(-n * lanes // threads), threads, lane_outs[name])
-    cands = {c: by_id(c) for c in dict.fromkeys([REFERENCE, *candidates])}
-    launches, outs = bound(cands, copies, qact, ws, stream)
-    s1 = [*lane_launches, *(c for c, cand in cands.items() if cand.split(k) == 1)]
-    return checked_medians(codebook, n, k, lane_launches | launches, lane_outs | outs, s1, copies, sms, stream)
-
-
-def main() -> None:
-    args = arguments(__doc__, "variants")
-    module, registers = build(args.codebooks.split(","))
-    print("registers: " + ", ".join(f"{name} {r}" for name, r in registers.items()), flush=True)
-    study(args, partial(time_cell, module), registers=registers)
+def variants(module: Any, codebook: str, n: int, k: int) -> dict[str, Variant]:
+    """Every (L, threads) launch of the codebook's kernels for N x K."""
+    return {f"lanes.l{lanes}.t{threads}": Variant(module.get_function(kernel_name(codebook, lanes)),
+                                                  -(-n * lanes // threads), threads, STAGED_BLOCK_BYTES * (k // BLOCK))
+            for lanes in LANES for threads in THREADS}
 
 
 if __name__ == "__main__":
-    main()
+    variants_study(__doc__, build, variants)

@@ -19,16 +19,10 @@ registry candidates named by --candidates and the streaming read of the same byt
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any
 
-import cupy as cp
-import numpy as np
-from gemv_dispatch.dispatch.timing import Launch
-from gemv_dispatch.kernels import launch, program, ptxas
-from gemv_dispatch.kernels.errors import BLOCK
-from gemv_dispatch.kernels.registry import CODEBOOK_IDS, by_id
-from walk_read import REFERENCE, arguments, bound, cell_inputs, checked_medians, nan_output, study
+from gemv_dispatch.kernels.registry import CODEBOOK_IDS
+from walk_read import Variant, build_appended, variants_study
 
 ROWFOLD_KERNEL = r"""
 constexpr int LANES = 32;  // threads a warp
@@ -175,49 +169,19 @@ def shared_bytes(codebook: str, r: int, w: int, ring: bool) -> int:
 
 
 def build(codebooks: list[str]) -> tuple[Any, dict[str, int]]:
-    """The module of every (codebook, R, W) variant, and each one's registers (a variant that spills is refused)."""
-    text = program.source() + ROWFOLD_KERNEL
-    names = [kernel_name(cb, *v) for cb in codebooks for v in VARIANTS]
-    built = {r.name: r for r in ptxas.compile_parallel(names, text=text)}
-    if spills := [r.describe() for r in built.values() if not r.spill_free]:
-        raise SystemExit(f"spills: {'; '.join(spills)}")
-    module = cp.RawModule(code=text, options=program.CONTRACT_OPTIONS, name_expressions=names)
-    return module, {name: built[name].registers for name in names}
+    """The module of every (codebook, R, W, RING) variant, and each one's registers."""
+    return build_appended(ROWFOLD_KERNEL, [kernel_name(cb, *v) for cb in codebooks for v in VARIANTS])
 
 
-def time_cell(
-    module: Any, codebook: str, n: int, k: int, candidates: list[str], l2: int, sms: int, stream: Any
-) -> dict[str, float]:
-    """Medians (µs) of the variants, the candidates and the stream of one cell, timed in one interleaved run."""
-    kb = k // BLOCK
-    copies, qact, ws = cell_inputs(codebook, n, k, candidates, l2, stream)
-    tail = (*launch.storage(qact), np.int32(1), np.int32(n), np.int32(kb), np.int32(kb))
-
-    def run(kernel: Any, grid: int, threads: int, shared: int, out: Any, i: int) -> None:
-        kernel(
-            (grid,), (threads,), (*copies[i].plane_args(), *tail, out, np.uint64(0)), shared_mem=shared, stream=stream
-        )
-
-    variant_launches: dict[str, Launch] = {}
-    variant_outs = {}
+def variants(module: Any, codebook: str, n: int, k: int) -> dict[str, Variant]:
+    """Every (R, W, RING) launch of the codebook's kernels for N columns (a CTA per R of them)."""
+    launches = {}
     for r, w, ring in VARIANTS:
-        name = f"rowfold.r{r}.w{w}" + (".ring" if ring else "")
         kernel = module.get_function(kernel_name(codebook, r, w, ring))
         kernel.max_dynamic_shared_size_bytes = shared = shared_bytes(codebook, r, w, ring)
-        variant_outs[name] = nan_output(n, stream)
-        variant_launches[name] = partial(run, kernel, -(-n // r), 32 * (w + 1), shared, variant_outs[name])
-    cands = {c: by_id(c) for c in dict.fromkeys([REFERENCE, *candidates])}
-    launches, outs = bound(cands, copies, qact, ws, stream)
-    s1 = [*variant_launches, *(c for c, cand in cands.items() if cand.split(k) == 1)]
-    return checked_medians(codebook, n, k, variant_launches | launches, variant_outs | outs, s1, copies, sms, stream)
-
-
-def main() -> None:
-    args = arguments(__doc__, "variants")
-    module, registers = build(args.codebooks.split(","))
-    print("registers: " + ", ".join(f"{name} {r}" for name, r in registers.items()), flush=True)
-    study(args, partial(time_cell, module), registers=registers)
+        launches[f"rowfold.r{r}.w{w}" + (".ring" if ring else "")] = Variant(kernel, -(-n // r), 32 * (w + 1), shared)
+    return launches
 
 
 if __name__ == "__main__":
-    main()
+    variants_study(__doc__, build, variants)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -26,7 +26,7 @@ import cupy as cp
 import numpy as np
 from gemv_dispatch.dispatch.sweep import weight_copies
 from gemv_dispatch.dispatch.timing import CupyBackend, Launch, cell_seed, time_candidates
-from gemv_dispatch.kernels import launch
+from gemv_dispatch.kernels import launch, program, ptxas
 from gemv_dispatch.kernels.codebooks import SUPERBLOCK, SUPERBLOCK_WEIGHTS
 from gemv_dispatch.kernels.errors import BLOCK
 from gemv_dispatch.kernels.registry import Candidate, by_id
@@ -196,6 +196,62 @@ def time_cell(codebook: str, n: int, k: int, candidates: list[str], l2: int, sms
         launches[c] = launch.bind(by_id(c), copies, qact, out, stream, ws)
     stream.synchronize()
     return medians(codebook, n, k, launches, len(copies), stream)
+
+
+def build_appended(kernel_text: str, names: list[str]) -> tuple[Any, dict[str, int]]:
+    """A module of the tree's kernel source with `kernel_text` appended (an experiment's kernels, which use its
+    pieces), built with its options for the instantiations `names`, and each one's registers (one that spills is
+    refused, as the certificate would refuse it)."""
+    text = program.source() + kernel_text
+    built = {r.name: r for r in ptxas.compile_parallel(names, text=text)}
+    if spills := [r.describe() for r in built.values() if not r.spill_free]:
+        raise SystemExit(f"spills: {'; '.join(spills)}")
+    module = cp.RawModule(code=text, options=program.CONTRACT_OPTIONS, name_expressions=names)
+    return module, {name: built[name].registers for name in names}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One launch of an experiment's M = 1 kernel, which takes the GEMV's arguments and must give S = 1's bytes."""
+    kernel: Any
+    grid: int
+    threads: int
+    shared: int  # dynamic shared memory, bytes
+
+
+def variant_medians(variants: dict[str, Variant], codebook: str, n: int, k: int, candidates: list[str], l2: int,
+                    sms: int, stream: Any) -> dict[str, float]:
+    """Medians (µs) of the variants (by name), the candidates and the stream of one cell, timed in one interleaved
+    run after every variant's output and every S = 1 candidate's is checked against REFERENCE's."""
+    kb = k // BLOCK
+    copies, qact, ws = cell_inputs(codebook, n, k, candidates, l2, stream)
+    tail = (*launch.storage(qact), np.int32(1), np.int32(n), np.int32(kb), np.int32(kb))
+
+    def run(v: Variant, out: Any, i: int) -> None:
+        v.kernel((v.grid,), (v.threads,), (*copies[i].plane_args(), *tail, out, np.uint64(0)), shared_mem=v.shared,
+                 stream=stream)
+
+    outs = {name: nan_output(n, stream) for name in variants}
+    launches: dict[str, Launch] = {name: partial(run, v, outs[name]) for name, v in variants.items()}
+    cands = {c: by_id(c) for c in dict.fromkeys([REFERENCE, *candidates])}
+    cand_launches, cand_outs = bound(cands, copies, qact, ws, stream)
+    s1 = [*variants, *(c for c, cand in cands.items() if cand.split(k) == 1)]
+    return checked_medians(codebook, n, k, launches | cand_launches, outs | cand_outs, s1, copies, sms, stream)
+
+
+def variants_study(description: str, build: Callable[[list[str]], tuple[Any, dict[str, int]]],
+                   variants: Callable[[Any, str, int, int], dict[str, Variant]]) -> None:
+    """An experiment's main: build(codebooks) -> (module, registers by name); variants(module, codebook, n, k) -> its
+    launches of one cell, each timed beside the candidates and the stream (variant_medians, study)."""
+    args = arguments(description, "variants")
+    module, registers = build(args.codebooks.split(","))
+    print("registers: " + ", ".join(f"{name} {r}" for name, r in registers.items()), flush=True)
+
+    def time_one(codebook: str, n: int, k: int, candidates: list[str], l2: int, sms: int,
+                 stream: Any) -> dict[str, float]:
+        return variant_medians(variants(module, codebook, n, k), codebook, n, k, candidates, l2, sms, stream)
+
+    study(args, time_one, registers=registers)
 
 
 def arguments(description: str, timed: str) -> argparse.Namespace:
