@@ -21,13 +21,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from gemv_dispatch.kernels.registry import CODEBOOK_IDS
+from gemv_dispatch.kernels.registry import CODEBOOK_IDS, pipe_slot_bytes
 from walk_read import Variant, build_appended, variants_study
 
 ROWFOLD_KERNEL = r"""
 constexpr int LANES = 32;  // threads a warp
 // A lane's group: a super-block, Q6_K a quad; its cells in a ring slot (ColumnGroup::load's reads, as gemv.cu's ring
-// takes them: 16-byte cells for payload rows and 8-byte values, 4-byte ones for the rest).
+// takes them: 16-byte cells for payload rows and 8-byte values, 4-byte ones for the rest; registry.PIPE_GROUP_BYTES).
 template <int CB>
 struct Rowfold {
     typedef Traits<CB> T;
@@ -152,20 +152,18 @@ __global__ void __launch_bounds__((W + 1) * LANES) gemv_rowfold(GEMV_PARAMS) {
 VARIANTS = tuple((r, w, ring) for r in (8, 16, 32) for w in (4, 8) for ring in (False, True))  # (R, W, RING)
 
 
-# Per codebook: a lane's group of blocks and its ring cells, 16- and 4-byte (gemv_rowfold's Rowfold, which traps on a
-# launch that gives it less shared memory than these make).
-CELLS = {"Q4_K": (8, 8, 5), "Q5_K": (8, 8, 13), "Q6_K": (4, 9, 1), "IQ4_XS": (8, 8, 4)}
-
 
 def kernel_name(codebook: str, r: int, w: int, ring: bool) -> str:
     return f"gemv_rowfold<{CODEBOOK_IDS[codebook]}, {r}, {w}, {str(ring).lower()}>"
 
 
 def shared_bytes(codebook: str, r: int, w: int, ring: bool) -> int:
-    """Two chunks' terms, and with the ring two slots of every compute warp's cells."""
-    group, wide, narrow = CELLS[codebook]
+    """Two chunks' terms (a lane's group: Rowfold::G blocks), and with the ring two slots of every compute lane's
+    cells: one group's, the staged walks' ring slot of a super-block codebook (registry.pipe_slot_bytes). The kernel
+    traps on a launch that gives it less."""
+    group = 4 if codebook == "Q6_K" else 8
     terms = 2 * 4 * w * (32 // r) * (group + 1) * r
-    return terms + (2 * w * (16 * wide + 4 * narrow) * 32 if ring else 0)
+    return terms + (2 * w * 32 * pipe_slot_bytes(codebook, 1) if ring else 0)
 
 
 def build(codebooks: list[str]) -> tuple[Any, dict[str, int]]:

@@ -255,8 +255,8 @@ def variants_study(description: str, build: Callable[[list[str]], tuple[Any, dic
 
 
 def arguments(description: str, timed: str) -> argparse.Namespace:
-    """The options of the M = 1 studies (this, lanes_variant.py and grid_balance.py); `timed`: what the candidates
-    are timed beside."""
+    """The options of the M = 1 studies (this, grid_balance.py and the S = 1 experiments of variants_study);
+    `timed`: what the candidates are timed beside."""
     ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--codebooks", default="Q4_K,IQ4_XS")
     ap.add_argument("--shapes", default="27648x5120,5120x27648")
