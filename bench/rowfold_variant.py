@@ -152,7 +152,6 @@ __global__ void __launch_bounds__((W + 1) * LANES) gemv_rowfold(GEMV_PARAMS) {
 VARIANTS = tuple((r, w, ring) for r in (8, 16, 32) for w in (4, 8) for ring in (False, True))  # (R, W, RING)
 
 
-
 def kernel_name(codebook: str, r: int, w: int, ring: bool) -> str:
     return f"gemv_rowfold<{CODEBOOK_IDS[codebook]}, {r}, {w}, {str(ring).lower()}>"
 
