@@ -41,7 +41,7 @@ tail -1 "$OUT/decide.txt"
 (cd "$OUT" && tar czf ab.tgz ab-*.json ab-*.log ab-cells.txt && rm -f ab-*.json ab-*.log ab-cells.txt)
 # A baseline already swept into the committed corpus (the registered source) is not swept again: the call's time is
 # better spent on the next step. corpus.load refuses a folder (or a missing one) of another kernel digest.
-if digest=$(python3 -c "import sys; from gemv_dispatch.dispatch.corpus import load; from gemv_dispatch.kernels import program
+if digest=$(python3 -c "import sys; from gemv_dispatch.dispatch.measure.corpus import load; from gemv_dispatch.kernels import program
 print(program.digest()[:12]); load(sys.argv[1], kernel_digest=program.digest())" "corpus/${GPU_SLUG:-nvidia-h200}" \
         2> /dev/null); then
     echo "kernel digest $digest is the committed corpus's: no sweep"; exit 0

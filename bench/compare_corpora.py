@@ -17,8 +17,8 @@ import statistics
 from collections.abc import Mapping
 from pathlib import Path
 
-from gemv_dispatch.dispatch.corpus import load
-from gemv_dispatch.dispatch.train import Measurements
+from gemv_dispatch.dispatch.learn.train import Measurements
+from gemv_dispatch.dispatch.measure.corpus import load
 
 
 def cell_times(folder: Path) -> tuple[Mapping[tuple, Mapping[str, float]], float]:

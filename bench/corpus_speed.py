@@ -19,10 +19,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from gemv_dispatch.dispatch import __version__, corpus
-from gemv_dispatch.dispatch.corpus import Provenance, Record, gpu_slug, timing_parameters
-from gemv_dispatch.dispatch.sweep import ReplayTimer, parse_plan, run_sweep, sweep_timing
-from gemv_dispatch.dispatch.timing import Stats
+from gemv_dispatch.dispatch import __version__
+from gemv_dispatch.dispatch.measure import corpus
+from gemv_dispatch.dispatch.measure.corpus import Provenance, Record, gpu_slug, timing_parameters
+from gemv_dispatch.dispatch.measure.sweep import ReplayTimer, parse_plan, run_sweep, sweep_timing
+from gemv_dispatch.dispatch.measure.timing import Stats
 from gemv_dispatch.kernels import program
 from gemv_dispatch.kernels.registry import candidates_for
 

@@ -40,8 +40,15 @@ from anchors import (
     LLAMA_8B_LM_HEAD,
     LLAMA_8B_QUANTIZED_PER_LAYER,
 )
-from gemv_dispatch.dispatch.sweep import GpuTimer, sweep_timing
-from gemv_dispatch.dispatch.timing import CupyBackend, Launch, Rotation, Stats, copies_for_cold_l2, time_candidates
+from gemv_dispatch.dispatch.measure.sweep import GpuTimer, sweep_timing
+from gemv_dispatch.dispatch.measure.timing import (
+    CupyBackend,
+    Launch,
+    Rotation,
+    Stats,
+    copies_for_cold_l2,
+    time_candidates,
+)
 from gemv_dispatch.kernels import launch
 from gemv_dispatch.kernels.codebooks import CODEBOOKS, SUPERBLOCK, get
 from gemv_dispatch.kernels.registry import by_id, candidates_for

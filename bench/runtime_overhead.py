@@ -27,8 +27,8 @@ from typing import Any
 
 import cupy as cp
 from anchors import ANCHORS
-from gemv_dispatch.dispatch import runtime
-from gemv_dispatch.dispatch.timing import CupyBackend, TimingConfig, copies_for_cold_l2, time_candidates
+from gemv_dispatch.dispatch.measure.timing import CupyBackend, TimingConfig, copies_for_cold_l2, time_candidates
+from gemv_dispatch.dispatch.serve import runtime
 from gemv_dispatch.kernels import launch
 
 MS = (1, 16)

@@ -38,8 +38,8 @@ from typing import Any
 import cupy as cp
 import numpy as np
 from anchors import ANCHORS
-from gemv_dispatch.dispatch.sweep import sweep_timing, weight_copies
-from gemv_dispatch.dispatch.timing import CupyBackend, cell_seed, time_candidates
+from gemv_dispatch.dispatch.measure.sweep import sweep_timing, weight_copies
+from gemv_dispatch.dispatch.measure.timing import CupyBackend, cell_seed, time_candidates
 from gemv_dispatch.kernels import launch, program, ptxas, registry
 from gemv_dispatch.kernels.registry import CANDIDATES, PIPE_SLOTS, RING_MIN_BLOCKS, candidates_for, ticket_words
 

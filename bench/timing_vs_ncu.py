@@ -23,7 +23,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import cupy as cp
-from gemv_dispatch.dispatch.sweep import GpuTimer, sweep_timing
+from gemv_dispatch.dispatch.measure.sweep import GpuTimer, sweep_timing
 from gemv_dispatch.kernels.registry import by_id
 from profile_candidates import launch_cells  # bench/, this script's own folder
 

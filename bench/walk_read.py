@@ -24,8 +24,8 @@ from typing import Any
 
 import cupy as cp
 import numpy as np
-from gemv_dispatch.dispatch.sweep import weight_copies
-from gemv_dispatch.dispatch.timing import CupyBackend, Launch, cell_seed, time_candidates
+from gemv_dispatch.dispatch.measure.sweep import weight_copies
+from gemv_dispatch.dispatch.measure.timing import CupyBackend, Launch, cell_seed, time_candidates
 from gemv_dispatch.kernels import launch, program, ptxas
 from gemv_dispatch.kernels.codebooks import SUPERBLOCK, SUPERBLOCK_WEIGHTS
 from gemv_dispatch.kernels.errors import BLOCK

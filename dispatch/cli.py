@@ -10,8 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import click
-from gemv_dispatch.dispatch.sweep import DEFAULT_CODEBOOKS, DEFAULT_MODES, DEFAULT_MS
-from gemv_dispatch.kernels.errors import EnvironmentProblem, InputError
+
+from ..kernels.errors import EnvironmentProblem, InputError
+from .measure.sweep import DEFAULT_CODEBOOKS, DEFAULT_MODES, DEFAULT_MS
 
 
 def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -46,7 +47,7 @@ def main() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 def info(as_json: bool) -> None:
     """Show versions, the visible CUDA device (name, SMs, L2), nvcc and the supported codebooks."""
-    from gemv_dispatch.dispatch.environment import describe
+    from .common.environment import describe
 
     report = describe()
     if as_json:
@@ -69,7 +70,7 @@ def shapes_list(sources: tuple[Path, ...], as_json: bool) -> None:
     """List inventories (default: corpus/shapes/): model, family, #shapes, #unique (N, K) geometries.
 
     SOURCES are inventory JSON files or directories of them; every file is validated."""
-    from gemv_dispatch.dispatch.shapes import default_inventory_dir, load_inventories
+    from .measure.shapes import default_inventory_dir, load_inventories
 
     inventories = load_inventories(sources or default_inventory_dir())
     if as_json:
@@ -93,7 +94,7 @@ def shapes_from_gguf(model: Path, output: Path | None, as_json: bool) -> None:
     from general.architecture. Tensors of a type the tool does not run are skipped with a warning."""
     import warnings
 
-    from gemv_dispatch.dispatch.shapes import from_gguf, write_inventory
+    from .measure.shapes import from_gguf, write_inventory
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -148,9 +149,9 @@ def sweep_command(corpus_root: Path | None, replay: Path | None, devices: str | 
     interrupted sweep loses at most the cell in flight, and a rerun skips the cells already measured with the
     same provenance (GPU, driver, kernel sources, tool, timing parameters). One sweep per GPU at a time.
     Progress and ETA go to stderr."""
-    from gemv_dispatch.dispatch import sweep
-    from gemv_dispatch.dispatch.corpus import load
-    from gemv_dispatch.dispatch.paths import home_dir
+    from .common.paths import home_dir
+    from .measure import sweep
+    from .measure.corpus import load
 
     # A replay serves its corpus's timings as recorded: options that change how a GPU is timed cannot apply.
     moot = [flag for flag, given in (("--hot", hot), ("--wait", wait)) if replay and given]
@@ -162,7 +163,7 @@ def sweep_command(corpus_root: Path | None, replay: Path | None, devices: str | 
     plan = sweep.parse_plan(codebooks, ms, modes, shape_paths, limit, hot)
     root = corpus_root if corpus_root is not None else home_dir() / "corpus"
     if ray_address is not None:
-        from gemv_dispatch.dispatch import fleet
+        from .measure import fleet
 
         spec = fleet.ReplaySpec((str(replay.resolve()),), replay_delay) if replay else fleet.GpuSpec(plan.timing)
         result = fleet.run_fleet(plan, root, spec, address=ray_address or None, wait=wait)
@@ -202,7 +203,7 @@ def corpus_group() -> None:
 def corpus_check(folder: Path, as_json: bool) -> None:
     """Verify FOLDER (e.g. corpus/nvidia-h200): every shard's SHA-256 against the manifest, no unlisted or
     missing shard, well-formed records, one GPU model and kernel source; print the counts."""
-    from gemv_dispatch.dispatch.corpus import load
+    from .measure.corpus import load
 
     loaded = load(folder)
     provenances = {
@@ -227,7 +228,7 @@ def corpus_check(folder: Path, as_json: bool) -> None:
 def corpus_compact(folder: Path) -> None:
     """Merge FOLDER's shards into one sorted, deduplicated shard per provenance (deterministic), after
     adopting complete shards an interrupted write left outside the manifest."""
-    from gemv_dispatch.dispatch.corpus import compact
+    from .measure.corpus import compact
 
     before, after = compact(folder)
     click.echo(f"{folder}: {before} shards -> {after}")
@@ -239,7 +240,7 @@ def corpus_compact(folder: Path) -> None:
 
 def _corpus_folder(folder: Path | None) -> Path:
     """FOLDER, else the one committed corpus folder of the reference data (an error if there are several)."""
-    from gemv_dispatch.dispatch.paths import data_dir
+    from .common.paths import data_dir
 
     if folder is not None:
         return folder
@@ -250,7 +251,7 @@ def _corpus_folder(folder: Path | None) -> Path:
 
 
 def _profile(text: str | None) -> dict[int, int]:
-    from gemv_dispatch.dispatch.policy import DEFAULT_PROFILE, parse_profile
+    from .learn.policy import DEFAULT_PROFILE, parse_profile
 
     return parse_profile(text) if text is not None else dict(DEFAULT_PROFILE)
 
@@ -271,8 +272,8 @@ def train_command(corpus_folder: Path | None, output: Path, profile: str | None,
     """Learn a dispatch policy from CORPUS_FOLDER [default: the committed corpus]: one identity per
     (codebook, N, K) over the M profile, a decision-tree fallback for every shape, exact overlays.
     Same corpus and options give the same bytes."""
-    from gemv_dispatch.dispatch import train
-    from gemv_dispatch.dispatch.corpus import load
+    from .learn import train
+    from .measure.corpus import load
 
     options = train.TrainOptions(profile=_profile(profile))
     policy, notes = train.train(load(_corpus_folder(corpus_folder)), options, force=force)
@@ -296,8 +297,8 @@ def evaluate_command(corpus_folder: Path | None, profile: str | None, folds: int
                      plot: Path | None, force: bool) -> None:
     """Regret against the per-cell oracle: the policy, its fallback under grouped CV and on the sealed
     family hold-out, best single candidate, an MMVQ-style rule, and the price of invariance."""
-    from gemv_dispatch.dispatch import evaluate, train
-    from gemv_dispatch.dispatch.corpus import load
+    from .learn import evaluate, train
+    from .measure.corpus import load
 
     if plot is not None:
         evaluate.require_matplotlib()  # fail before minutes of fitting, not after
@@ -327,9 +328,9 @@ def explain_command(codebook: str, m: int, n: int, k: int, mode: str, policy_pat
                     corpus_folder: Path | None, as_json: bool) -> None:
     """Why (CODEBOOK, M, N, K) gets its kernel: pick, identity, overlay or fallback, measured neighbours,
     predicted time and GB/s."""
-    from gemv_dispatch.dispatch import policy, train
-    from gemv_dispatch.dispatch.corpus import load
-    from gemv_dispatch.dispatch.explain import explain
+    from .learn import policy, train
+    from .learn.explain import explain
+    from .measure.corpus import load
 
     corpus = load(_corpus_folder(corpus_folder))
     chosen = policy.load(policy_path) if policy_path is not None else train.train(corpus)[0]
@@ -377,7 +378,8 @@ def certify_command(policy_path: Path, output: Path, corpus_folder: Path | None,
     """Certify POLICY (docs/policy.md §7): every table shape and a seeded sample of unmeasured ones, every M in
     {1..16, 31}, both modes: grouped == serial M=1 bytes, repeat, permutation, poison, emulator equality,
     negative control, spill-free kernels. Exit 1 when a check fails (the certificate records it)."""
-    from gemv_dispatch.dispatch import certify, generate, policy
+    from .learn import policy
+    from .table import certify, generate
 
     loaded = policy.load(policy_path)
     with certify.runner_for(device, seed) as runner:
@@ -399,9 +401,10 @@ def certify_command(policy_path: Path, output: Path, corpus_folder: Path | None,
 def generate_command(policy_path: Path, cert_path: Path, output: Path | None) -> None:
     """Render POLICY as dispatch_table.py (standard library only) and dispatch_table.h (C99) with its
     certificate; refused unless the certificate passed and binds exactly the rendered bytes."""
-    from gemv_dispatch.dispatch import generate, policy
-    from gemv_dispatch.dispatch.corpus import gpu_slug
-    from gemv_dispatch.dispatch.paths import home_dir
+    from .common.paths import home_dir
+    from .learn import policy
+    from .measure.corpus import gpu_slug
+    from .table import generate
 
     loaded = policy.load(policy_path)
     folder = output or home_dir() / "generated" / gpu_slug(str(loaded.source.get("gpu_name")))
@@ -419,7 +422,8 @@ def install_command(source: Path | None, tables: Path | None, rollback: bool) ->
     """Install the certified table in SOURCE (generated/<gpu-slug>/) for the runtime, atomically, keeping
     the previous one. Refused: a missing, edited or failed certificate, an edited module, other kernel
     sources, another GPU model than this machine's, another install in progress."""
-    from gemv_dispatch.dispatch import certify, install
+    from .serve import install
+    from .table import certify
 
     if rollback:
         if source is None:
@@ -447,8 +451,9 @@ def install_command(source: Path | None, tables: Path | None, rollback: bool) ->
 def check_command(source: Path | None, installed: bool, tables: Path | None, device: str) -> None:
     """Re-run the certification checks on a table here: SOURCE (generated/<gpu-slug>/) or --installed.
     Prints a per-codebook summary; exit 1 on any difference, naming the shape, M and first differing element."""
-    from gemv_dispatch.dispatch import certify, check, install
-    from gemv_dispatch.dispatch.paths import tables_dir
+    from .common.paths import tables_dir
+    from .serve import install
+    from .table import certify, check
 
     if installed:
         here = certify.current_gpu()
@@ -502,9 +507,11 @@ def tune_command(corpus_root: Path | None, replay: Path | None, generated_root: 
     committed generated/nvidia-h200/; nothing installed)."""
     import tempfile
 
-    from gemv_dispatch.dispatch import certify, sweep, tune
-    from gemv_dispatch.dispatch.corpus import load
-    from gemv_dispatch.dispatch.paths import home_dir
+    from . import tune
+    from .common.paths import home_dir
+    from .measure import sweep
+    from .measure.corpus import load
+    from .table import certify
 
     log = lambda line: click.echo(line, err=True)  # noqa: E731 - progress to stderr, the summary to stdout
     gpu = certify.current_gpu()

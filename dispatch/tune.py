@@ -18,12 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gemv_dispatch.dispatch import certify, generate, install
-from gemv_dispatch.dispatch.corpus import Corpus, load
-from gemv_dispatch.dispatch.paths import data_dir
-from gemv_dispatch.dispatch.policy import Policy
-from gemv_dispatch.dispatch.sweep import SweepPlan, Timer, run_sweep
-from gemv_dispatch.kernels.errors import InputError
+from ..kernels.errors import InputError
+from .common.paths import data_dir
+from .learn.policy import Policy
+from .measure.corpus import Corpus, load
+from .measure.sweep import SweepPlan, Timer, run_sweep
+from .serve import install
+from .table import certify, generate
 
 DEFAULT_GPU = "nvidia-h200"  # the committed corpus and table the embedded default reproduces
 POLICY = "policy.json"
@@ -108,8 +109,8 @@ def replay_plans(source: Corpus) -> list[SweepPlan]:
 
 def _quality(policy: Policy, corpus: Corpus) -> tuple[dict[str, Any], dict[str, Any]]:
     """(regret, price of invariance) summaries of the policy over the corpus's measured cells."""
-    from gemv_dispatch.dispatch.evaluate import invariant_ratios, policy_ratios, summary
-    from gemv_dispatch.dispatch.train import Measurements
+    from .learn.evaluate import invariant_ratios, policy_ratios, summary
+    from .learn.train import Measurements
 
     meas = Measurements.from_corpus(corpus)
     chosen = {geo: policy.identity(*geo)[0] for geo in meas.geometries()}
@@ -118,7 +119,7 @@ def _quality(policy: Policy, corpus: Corpus) -> tuple[dict[str, Any], dict[str, 
 
 def train_policy(folder: Path, log: Callable[[str], None] = certify._log) -> Policy:
     """The policy `train` makes of a corpus folder."""
-    from gemv_dispatch.dispatch.train import train
+    from .learn.train import train
 
     policy, notes = train(load(folder))
     for note in notes:
@@ -165,7 +166,7 @@ def tune(plans: Sequence[SweepPlan], corpus_root: Path, timer: Timer, runner: ce
 def embedded_default(log: Callable[[str], None] = certify._log, seed: int = 0) -> TuneResult:
     """The CPU run: replay the committed corpus, train, certify on the emulator, render, compare with the
     committed table. Nothing is installed."""
-    from gemv_dispatch.dispatch.sweep import ReplayTimer
+    from .measure.sweep import ReplayTimer
 
     source = load(data_dir() / "corpus" / DEFAULT_GPU)
     committed = data_dir() / "generated" / DEFAULT_GPU

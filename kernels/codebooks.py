@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
-from gemv_dispatch.kernels.errors import BLOCK, InputError, check_matrix, describe
+
+from .errors import BLOCK, InputError, check_matrix, describe
 
 # The formats the tool understands and the GPU kernels run: what the registry, sweep plans, policy training and
 # certification iterate over, in the order of the kernel source's `Codebook` enum.

@@ -12,9 +12,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from gemv_dispatch.kernels.codebooks import BlockFields, block_fields, dequantize_fields
-from gemv_dispatch.kernels.errors import BLOCK, InputError, check_matrix
-from gemv_dispatch.kernels.layout import PackedWeights, unpack
+
+from .codebooks import BlockFields, block_fields, dequantize_fields
+from .errors import BLOCK, InputError, check_matrix
+from .layout import PackedWeights, unpack
 
 QMAX = 127
 # Every NaN a GPU float operation produces is the canonical 0x7FFFFFFF (PTX); numpy's x86 NaNs carry

@@ -23,11 +23,12 @@ from functools import cache
 from typing import Any
 
 import numpy as np
-from gemv_dispatch.kernels import layout, program, registry
-from gemv_dispatch.kernels.codebooks import get
-from gemv_dispatch.kernels.emulate import QuantizedActivations
-from gemv_dispatch.kernels.errors import BLOCK, EnvironmentProblem, InputError
-from gemv_dispatch.kernels.registry import Candidate, kernel_names, ticket_words
+
+from . import layout, program, registry
+from .codebooks import get
+from .emulate import QuantizedActivations
+from .errors import BLOCK, EnvironmentProblem, InputError
+from .registry import Candidate, kernel_names, ticket_words
 
 try:
     import cupy

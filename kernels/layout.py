@@ -12,8 +12,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from gemv_dispatch.kernels.codebooks import Codebook, check_blocks, get
-from gemv_dispatch.kernels.errors import BLOCK, InputError
+
+from .codebooks import Codebook, check_blocks, get
+from .errors import BLOCK, InputError
 
 # GGUF field -> (plane, dtype). qs and qh are split into runs, one per 32-block (_runs).
 _PLANES = {"qs": ("payload", np.uint32), "d": ("scale", np.float16), "m": ("min", np.float16),

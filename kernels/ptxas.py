@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from gemv_dispatch.kernels import program
+from . import program
 
 _ENTRY = re.compile(r"Compiling entry function '(\w+)' for '(\w+)'")
 _FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
@@ -125,7 +125,7 @@ def _arch(text: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from gemv_dispatch.kernels.registry import instantiations
+    from .registry import instantiations
 
     parser = argparse.ArgumentParser(prog="python -m gemv_dispatch.kernels.ptxas", description=__doc__)
     parser.add_argument("--arch", default="sm_90", type=_arch, help="GPU architecture to compile for (default sm_90)")

@@ -25,10 +25,10 @@ from dataclasses import dataclass, replace
 from functools import cache, cached_property
 from typing import Literal
 
-from gemv_dispatch.kernels.codebooks import CODEBOOKS, get
-from gemv_dispatch.kernels.emulate import effective_split, identity, partition_width
-from gemv_dispatch.kernels.errors import BLOCK, InputError
-from gemv_dispatch.kernels.program import MAX_REGISTERS
+from .codebooks import CODEBOOKS, get
+from .emulate import effective_split, identity, partition_width
+from .errors import BLOCK, InputError
+from .program import MAX_REGISTERS
 
 Family = Literal["wide", "direct", "kpar"]
 Engine = Literal["dp4a", "mma"]

@@ -15,11 +15,12 @@ from typing import Any
 
 import numpy as np
 from click.testing import CliRunner
-from gemv_dispatch.dispatch import __version__, corpus
+from gemv_dispatch.dispatch import __version__
 from gemv_dispatch.dispatch.cli import main
-from gemv_dispatch.dispatch.corpus import Cell, Provenance, Record, gpu_slug, timing_parameters
-from gemv_dispatch.dispatch.shapes import Inventory, Shape, write_inventory
-from gemv_dispatch.dispatch.timing import Stats, TimingConfig, cell_seed
+from gemv_dispatch.dispatch.measure import corpus
+from gemv_dispatch.dispatch.measure.corpus import Cell, Provenance, Record, gpu_slug, timing_parameters
+from gemv_dispatch.dispatch.measure.shapes import Inventory, Shape, write_inventory
+from gemv_dispatch.dispatch.measure.timing import Stats, TimingConfig, cell_seed
 from gemv_dispatch.kernels import program
 from gemv_dispatch.kernels.codebooks import get
 from gemv_dispatch.kernels.registry import Candidate, candidates_for

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 from gemv_dispatch.dispatch import __version__
-from gemv_dispatch.dispatch.features import IDENTITY_FEATURES, LAUNCH_FEATURES, identity_features, launch_features
-from gemv_dispatch.dispatch.policy import DEFAULT_PROFILE, IDENTITIES, Policy, Tree, canonical
+from gemv_dispatch.dispatch.learn.features import IDENTITY_FEATURES, LAUNCH_FEATURES, identity_features, launch_features
+from gemv_dispatch.dispatch.learn.policy import DEFAULT_PROFILE, IDENTITIES, Policy, Tree, canonical
 from gemv_dispatch.kernels import program
 from gemv_dispatch.kernels.registry import CANDIDATES
 

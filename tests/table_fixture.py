@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
-from gemv_dispatch.dispatch import certify, generate
-from gemv_dispatch.dispatch.policy import Policy
+from gemv_dispatch.dispatch.learn.policy import Policy
+from gemv_dispatch.dispatch.table import certify, generate
 from policy_fixture import random_policy
 
 

@@ -7,9 +7,9 @@ from unittest import mock
 
 import numpy as np
 import pytest
-from gemv_dispatch.dispatch import certify, generate
-from gemv_dispatch.dispatch.certify import CHECKS, EmulatorRunner, Shape, Tally, run_checks
-from gemv_dispatch.dispatch.policy import Choice
+from gemv_dispatch.dispatch.learn.policy import Choice
+from gemv_dispatch.dispatch.table import certify, generate
+from gemv_dispatch.dispatch.table.certify import CHECKS, EmulatorRunner, Shape, Tally, run_checks
 from gemv_dispatch.kernels.errors import InputError
 from gemv_dispatch.kernels.ptxas import KernelResources
 from table_fixture import small_policy

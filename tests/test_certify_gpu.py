@@ -4,9 +4,9 @@ device bytes equal the emulator's, and a table whose identity changes with M is 
 from __future__ import annotations
 
 import pytest
-from gemv_dispatch.dispatch import certify, generate
-from gemv_dispatch.dispatch.certify import GpuRunner, Shape, run_checks
-from gemv_dispatch.dispatch.policy import Choice
+from gemv_dispatch.dispatch.learn.policy import Choice
+from gemv_dispatch.dispatch.table import certify, generate
+from gemv_dispatch.dispatch.table.certify import GpuRunner, Shape, run_checks
 from policy_fixture import random_policy
 
 pytestmark = pytest.mark.gpu

@@ -4,8 +4,9 @@ certificate and module digests match this repository's kernel sources, corpus an
 from __future__ import annotations
 
 import pytest
-from gemv_dispatch.dispatch import certify, generate, install
-from gemv_dispatch.dispatch.paths import data_dir
+from gemv_dispatch.dispatch.common.paths import data_dir
+from gemv_dispatch.dispatch.serve import install
+from gemv_dispatch.dispatch.table import certify, generate
 from gemv_dispatch.kernels import program
 
 FOLDER = data_dir() / "generated" / "nvidia-h200"
@@ -23,6 +24,6 @@ def test_committed_table_matches_the_repository():
     assert all(c["level"] == "gpu" for n, c in cert["checks"].items() if n not in ("selection", "spill_free"))
     policy_path = FOLDER / "policy.json"
     if policy_path.is_file():
-        from gemv_dispatch.dispatch.policy import load
+        from gemv_dispatch.dispatch.learn.policy import load
 
         assert generate.render(load(policy_path)) == {n: table.files[n] for n in (generate.MODULE, generate.HEADER)}

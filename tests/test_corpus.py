@@ -14,9 +14,9 @@ from types import SimpleNamespace
 import pytest
 from click.testing import CliRunner
 from corpus_fixture import FAKE_GPU, build_corpus, cells, fake_provenance, fake_records, tree
-from gemv_dispatch.dispatch import corpus
 from gemv_dispatch.dispatch.cli import main
-from gemv_dispatch.dispatch.corpus import (
+from gemv_dispatch.dispatch.measure import corpus
+from gemv_dispatch.dispatch.measure.corpus import (
     MANIFEST,
     SHARDS,
     Cell,
@@ -27,7 +27,7 @@ from gemv_dispatch.dispatch.corpus import (
     load,
     write_shard,
 )
-from gemv_dispatch.dispatch.timing import TimingConfig
+from gemv_dispatch.dispatch.measure.timing import TimingConfig
 from gemv_dispatch.kernels.errors import InputError
 
 PROV = fake_provenance()

@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from bitcheck import assert_same_bits
-from gemv_dispatch.dispatch import runtime
-from gemv_dispatch.dispatch.shapes import from_gguf
+from gemv_dispatch.dispatch.measure.shapes import from_gguf
+from gemv_dispatch.dispatch.serve import runtime
 from gemv_dispatch.kernels import emulate, layout
 from gemv_dispatch.kernels.codebooks import quantize
 from gemv_dispatch.kernels.errors import InputError

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gemv_dispatch.dispatch import generate
-from gemv_dispatch.dispatch.features import MODES
+from gemv_dispatch.dispatch.learn.features import MODES
+from gemv_dispatch.dispatch.table import generate
 from gemv_dispatch.kernels import registry
 from gemv_dispatch.kernels.errors import InputError
 from gemv_dispatch.kernels.registry import CANDIDATES

@@ -247,8 +247,8 @@ def test_a_mixed_q4_k_q6_k_gguf_runs_through_the_kernels(sim, tmp_path):
     bytes read back exactly -> every candidate equals the emulator (on the GPU through the installed table:
     tests/test_installed.py)."""
     import gguf
-    from gemv_dispatch.dispatch import runtime
-    from gemv_dispatch.dispatch.shapes import from_gguf
+    from gemv_dispatch.dispatch.measure.shapes import from_gguf
+    from gemv_dispatch.dispatch.serve import runtime
     from gemv_dispatch.kernels.codebooks import quantize
 
     rng = np.random.default_rng(fresh_seed())

@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from gemv_dispatch.dispatch import generate, install
 from gemv_dispatch.dispatch.cli import main
+from gemv_dispatch.dispatch.serve import install
+from gemv_dispatch.dispatch.table import generate
 from gemv_dispatch.kernels.errors import InputError
 from policy_fixture import FAKE_GPU
 from table_fixture import as_gpu_level, certified_folder, forge, small_policy
@@ -169,7 +170,7 @@ def test_full_or_read_only_disk_changes_nothing(err, tables_made, tmp_path, monk
 KILLER = textwrap.dedent("""
     import os, shutil, signal, sys
     sys.path.insert(0, {tests!r})
-    from gemv_dispatch.dispatch import install
+    from gemv_dispatch.dispatch.serve import install
     calls = [0]
     limit = int(sys.argv[1])
     def counted(fn):

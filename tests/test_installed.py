@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import gemv_dispatch.dispatch.paths as paths
+import gemv_dispatch.dispatch.common.paths as paths
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]

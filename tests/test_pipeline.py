@@ -64,5 +64,5 @@ def test_only_the_learning_stages_import_scikit_learn():
 def test_the_walk_sees_a_later_import(tmp_path):
     """Negative control: an import of a later stage is found, so the checks above can fail."""
     bad = tmp_path / "policy.py"
-    bad.write_text("def f():\n    from gemv_dispatch.dispatch.install import Table\n")
+    bad.write_text("def f():\n    from gemv_dispatch.dispatch.serve.install import Table\n")
     assert "install" in {stage_of(m) for m in imported_modules(bad)}

@@ -9,17 +9,17 @@ from dataclasses import replace
 
 import pytest
 from corpus_fixture import build_corpus
-from gemv_dispatch.dispatch import features
-from gemv_dispatch.dispatch.corpus import load
-from gemv_dispatch.dispatch.policy import (
+from gemv_dispatch.dispatch.learn import features
+from gemv_dispatch.dispatch.learn.policy import (
     DEFAULT_PROFILE,
     Policy,
     canonical,
     parse_profile,
     validate_profile,
 )
-from gemv_dispatch.dispatch.policy import load as load_policy
-from gemv_dispatch.dispatch.train import train
+from gemv_dispatch.dispatch.learn.policy import load as load_policy
+from gemv_dispatch.dispatch.learn.train import train
+from gemv_dispatch.dispatch.measure.corpus import load
 from gemv_dispatch.kernels.errors import InputError
 from gemv_dispatch.kernels.registry import BY_ID, CANDIDATES, shape_error
 from hypothesis import HealthCheck, given, settings
@@ -102,7 +102,7 @@ def test_round_trip_and_digest_tamper(policy_file):
 
 
 def test_structural_defects_are_refused_even_with_a_fresh_digest(policy_file):
-    from gemv_dispatch.dispatch.policy import content_digest
+    from gemv_dispatch.dispatch.learn.policy import content_digest
 
     obj = json.loads(policy_file.read_bytes())
     obj["fallback"]["launch_tree"]["leaves"][0] = ["no.such.candidate"]
@@ -116,7 +116,7 @@ def test_digest_follows_the_content(policy_file):
     code has its own digest, not a stale copy."""
     from dataclasses import replace
 
-    from gemv_dispatch.dispatch.policy import content_digest
+    from gemv_dispatch.dispatch.learn.policy import content_digest
 
     obj = json.loads(policy_file.read_bytes())
     cb = next(cb for cb, rows in obj["shapes"].items() if len(rows) > 1)
@@ -164,7 +164,7 @@ def test_table_shapes_cover_trained_shapes_and_overlays(fixture_policy):
 
 
 def test_select_never_imports_sklearn(policy_file):
-    code = ("import sys; from gemv_dispatch.dispatch.policy import load; p = load(sys.argv[1]); "
+    code = ("import sys; from gemv_dispatch.dispatch.learn.policy import load; p = load(sys.argv[1]); "
             "print(p.select('q4_0', 5, 3000, 4096, 'eager').candidate); "
             "assert 'sklearn' not in sys.modules, 'sklearn imported'")
     out = subprocess.run([sys.executable, "-c", code, str(policy_file)], capture_output=True, text=True)

@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import numpy as np
 import pytest
-from gemv_dispatch.dispatch import runtime
+from gemv_dispatch.dispatch.serve import runtime
 from gemv_dispatch.kernels import launch, layout
 from gemv_dispatch.kernels.codebooks import quantize
 from gemv_dispatch.kernels.errors import EnvironmentProblem, InputError

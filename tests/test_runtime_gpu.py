@@ -12,7 +12,7 @@ from typing import NamedTuple
 import numpy as np
 import pytest
 from bitcheck import assert_same_bits, bits
-from gemv_dispatch.dispatch import runtime
+from gemv_dispatch.dispatch.serve import runtime
 from gemv_dispatch.kernels import emulate, launch, layout
 from gemv_dispatch.kernels.codebooks import quantize
 from gemv_dispatch.kernels.errors import InputError

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 from gemv_dispatch.dispatch.cli import main
-from gemv_dispatch.dispatch.shapes import (
+from gemv_dispatch.dispatch.measure.shapes import (
     GRID_MAX_ELEMENTS,
     ROLES,
     Inventory,
@@ -421,7 +421,7 @@ def test_from_gguf_keeps_each_tensors_type(tmp_path):
     entries = json.loads(out.read_text())["shapes"]
     assert entries[1] == {"role": "v", "n": T_KV, "k": T_HIDDEN, "codebooks": ["Q4_K", "Q6_K"]}
     # The sweep (and tune, which plans through it) sweeps each shape in the types it is stored in.
-    from gemv_dispatch.dispatch import sweep
+    from gemv_dispatch.dispatch.measure import sweep
 
     plan = sweep.parse_plan("all", "1", "graph", [out])
     assert set(plan.geometries) == set(inv.geometries())

@@ -27,11 +27,11 @@ from corpus_fixture import (
     tree,
     write_shapes,
 )
-from gemv_dispatch.dispatch import corpus, gpulock, sweep
 from gemv_dispatch.dispatch.cli import main
-from gemv_dispatch.dispatch.corpus import MANIFEST, SHARDS, Cell, compact, load, write_shard
-from gemv_dispatch.dispatch.shapes import Inventory, Shape, load_inventory, write_inventory
-from gemv_dispatch.dispatch.sweep import (
+from gemv_dispatch.dispatch.measure import corpus, gpulock, sweep
+from gemv_dispatch.dispatch.measure.corpus import MANIFEST, SHARDS, Cell, compact, load, write_shard
+from gemv_dispatch.dispatch.measure.shapes import Inventory, Shape, load_inventory, write_inventory
+from gemv_dispatch.dispatch.measure.sweep import (
     GpuTimer,
     Progress,
     ReplayTimer,
@@ -41,7 +41,7 @@ from gemv_dispatch.dispatch.sweep import (
     parse_plan,
     run_sweep,
 )
-from gemv_dispatch.dispatch.timing import TimingConfig
+from gemv_dispatch.dispatch.measure.timing import TimingConfig
 from gemv_dispatch.kernels.codebooks import CODEBOOKS, LEGACY
 from gemv_dispatch.kernels.errors import EnvironmentProblem, InputError
 

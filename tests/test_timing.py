@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
-from gemv_dispatch.dispatch.timing import (
+from gemv_dispatch.dispatch.measure.timing import (
     MAX_REPLAYS,
     Launch,
     Stats,
@@ -380,7 +380,7 @@ def test_cupy_backend_times_a_bigger_copy_as_slower() -> None:
         pytest.skip(f"no CUDA device: {err}")
     if n_devices == 0:
         pytest.skip("no CUDA device")
-    from gemv_dispatch.dispatch.timing import CupyBackend
+    from gemv_dispatch.dispatch.measure.timing import CupyBackend
 
     with pytest.raises(ValueError, match="non-blocking"):
         CupyBackend(cupy.cuda.Stream.null)

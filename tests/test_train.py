@@ -9,11 +9,10 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 from corpus_fixture import build_corpus, fake_provenance
-from gemv_dispatch.dispatch import evaluate as ev
 from gemv_dispatch.dispatch.cli import main
-from gemv_dispatch.dispatch.corpus import load
-from gemv_dispatch.dispatch.policy import load as load_policy
-from gemv_dispatch.dispatch.train import (
+from gemv_dispatch.dispatch.learn import evaluate as ev
+from gemv_dispatch.dispatch.learn.policy import load as load_policy
+from gemv_dispatch.dispatch.learn.train import (
     Measurements,
     TimeModel,
     TrainOptions,
@@ -23,6 +22,7 @@ from gemv_dispatch.dispatch.train import (
     fit_policy,
     train,
 )
+from gemv_dispatch.dispatch.measure.corpus import load
 from gemv_dispatch.kernels.errors import InputError
 
 COMMITTED = Path(__file__).resolve().parents[1] / "corpus" / "nvidia-h200"
@@ -43,7 +43,7 @@ def test_refuses_another_kernel_digest_unless_forced(tmp_path):
 
 def test_refuses_a_partial_corpus(tmp_path):
     from corpus_fixture import cells, fake_records
-    from gemv_dispatch.dispatch import corpus
+    from gemv_dispatch.dispatch.measure import corpus
 
     folder = build_corpus(tmp_path, codebooks=("Q4_0",))
     prov = fake_provenance()
@@ -94,7 +94,7 @@ def test_cli_train_writes_deterministic_file_and_refuses_bad_input(fixture_folde
         assert res.exit_code == 2 and needle in res.output and len(res.output.strip().splitlines()) == 1
         assert not bad.exists()
     empty = tmp_path / "empty" / "fake-gpu"
-    from gemv_dispatch.dispatch import corpus
+    from gemv_dispatch.dispatch.measure import corpus
 
     corpus.init(empty)
     res = runner.invoke(main, ["train", str(empty), "-o", str(tmp_path / "e.json")])
@@ -128,7 +128,7 @@ def test_mmvq_rule_maps_onto_valid_candidates():
 
 
 def test_holdout_rule_is_fixed_and_sealed():
-    from gemv_dispatch.dispatch.shapes import load_inventories
+    from gemv_dispatch.dispatch.measure.shapes import load_inventories
 
     inventories = load_inventories(COMMITTED.parent / "shapes")
     held = ev.holdout_geometries(inventories)

@@ -8,8 +8,9 @@ from dataclasses import replace
 import pytest
 from click.testing import CliRunner
 from corpus_fixture import build_corpus
-from gemv_dispatch.dispatch import certify, generate, install
 from gemv_dispatch.dispatch.cli import main
+from gemv_dispatch.dispatch.serve import install
+from gemv_dispatch.dispatch.table import certify, generate
 from policy_fixture import FAKE_GPU
 from table_fixture import forge
 
@@ -76,7 +77,8 @@ def test_embedded_default_reproduces_the_committed_table(monkeypatch, tmp_path):
     small corpus of the default GPU model: without a committed table it says so; with one (made by a first
     run) it is byte-identical; with an edited one it says NO and exits 1. Nothing is installed."""
     from corpus_fixture import fake_provenance
-    from gemv_dispatch.dispatch import paths, tune
+    from gemv_dispatch.dispatch import tune
+    from gemv_dispatch.dispatch.common import paths
 
     data = tmp_path / "data"
     build_corpus(data / "corpus", fake_provenance(gpu_name="NVIDIA H200"))

@@ -34,10 +34,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gemv_dispatch.dispatch import paths
-from gemv_dispatch.dispatch.files import write_atomic
-from gemv_dispatch.kernels.codebooks import CODEBOOKS, get
-from gemv_dispatch.kernels.errors import BLOCK, InputError
+from ...kernels.codebooks import CODEBOOKS, get
+from ...kernels.errors import BLOCK, InputError
+from ..common import paths
+from ..common.files import write_atomic
 
 ROLES = ("q", "k", "v", "o", "qkv", "gate", "up", "gate_up", "down", "lm_head")
 CONFIG_KEYS = (

@@ -41,18 +41,19 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-from gemv_dispatch.dispatch.shapes import open_gguf
-from gemv_dispatch.kernels import launch
-from gemv_dispatch.kernels.codebooks import CODEBOOKS, get
-from gemv_dispatch.kernels.emulate import QuantizedActivations
-from gemv_dispatch.kernels.errors import BLOCK, InputError
-from gemv_dispatch.kernels.layout import PackedWeights, pack
-from gemv_dispatch.kernels.registry import Candidate, by_id
+
+from ...kernels import launch
+from ...kernels.codebooks import CODEBOOKS, get
+from ...kernels.emulate import QuantizedActivations
+from ...kernels.errors import BLOCK, InputError
+from ...kernels.layout import PackedWeights, pack
+from ...kernels.registry import Candidate, by_id
+from ..measure.shapes import open_gguf
 
 SAFE_DEFAULT = "wide.s1.t128.c1"  # identity 1, valid for every (M, N, K): no split, cpt 1, no mma tile
 Mode = Literal["graph", "eager"]
 _FLOAT32 = np.dtype(np.float32)  # compared on every call: a dtype object, not a type to convert each time
-_INSTALL_MODULE = "gemv_dispatch.dispatch.install"
+_INSTALL_MODULE = "gemv_dispatch.dispatch.serve.install"
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -71,7 +72,7 @@ class Choice:
 def installed_table(gpu_name: str) -> tuple[Any, str | None]:
     """(table, None) for a GPU-level certified table installed for `gpu_name`, else (None, why not)."""
     try:
-        from gemv_dispatch.dispatch import install
+        from . import install
     except ModuleNotFoundError as err:
         if err.name != _INSTALL_MODULE:  # a missing dependency inside install is a real error
             raise

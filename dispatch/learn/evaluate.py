@@ -28,10 +28,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gemv_dispatch.dispatch.corpus import Corpus
-from gemv_dispatch.dispatch.policy import CANONICAL_WIDE, LaunchKey, Policy
-from gemv_dispatch.dispatch.shapes import Inventory, load_inventories
-from gemv_dispatch.dispatch.train import (
+
+from ...kernels.errors import InputError
+from ..measure.corpus import Corpus
+from ..measure.shapes import Inventory, load_inventories
+from .policy import CANONICAL_WIDE, LaunchKey, Policy
+from .train import (
     Measurements,
     TimeModel,
     TrainOptions,
@@ -41,7 +43,6 @@ from gemv_dispatch.dispatch.train import (
     score,
     serving,
 )
-from gemv_dispatch.kernels.errors import InputError
 
 HOLDOUT_FAMILIES: tuple[str, ...] = ("falcon3", "phi-3", "phi-4")
 FOLDS = 5
@@ -208,7 +209,7 @@ def _price(scores: Any, profile: Mapping[int, int]) -> dict[str, Any]:
 
 
 def _shapes() -> Path:
-    from gemv_dispatch.dispatch.paths import shapes_dir
+    from ..common.paths import shapes_dir
 
     return shapes_dir()
 

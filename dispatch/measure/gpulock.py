@@ -14,8 +14,8 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-from gemv_dispatch.dispatch.files import naming
-from gemv_dispatch.kernels.errors import EnvironmentProblem, InputError
+from ...kernels.errors import EnvironmentProblem, InputError
+from ..common.files import naming
 
 LOCKS_ENV = "GEMV_DISPATCH_LOCKS"
 

@@ -36,15 +36,16 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 import numpy as np
-from gemv_dispatch.dispatch import __version__
-from gemv_dispatch.dispatch.corpus import gpu_slug
-from gemv_dispatch.dispatch.policy import Policy, canonical_bytes, content_digest, read_digested
-from gemv_dispatch.dispatch.timing import cell_seed
-from gemv_dispatch.kernels import emulate, program
-from gemv_dispatch.kernels.codebooks import CODEBOOKS, EXECUTION, get
-from gemv_dispatch.kernels.errors import BLOCK, EnvironmentProblem, InputError
-from gemv_dispatch.kernels.layout import PackedWeights, random_planes
-from gemv_dispatch.kernels.registry import Candidate, by_id
+
+from ...kernels import emulate, program
+from ...kernels.codebooks import CODEBOOKS, EXECUTION, get
+from ...kernels.errors import BLOCK, EnvironmentProblem, InputError
+from ...kernels.layout import PackedWeights, random_planes
+from ...kernels.registry import Candidate, by_id
+from .. import __version__
+from ..learn.policy import Policy, canonical_bytes, content_digest, read_digested
+from ..measure.corpus import gpu_slug
+from ..measure.timing import cell_seed
 
 CERT_FORMAT = "gemv-dispatch-certificate/1"
 M_SET: tuple[int, ...] = (*range(1, 17), 31)
@@ -78,7 +79,7 @@ def with_digest(obj: Mapping[str, Any]) -> dict[str, Any]:
 
 def inventories_digest(folder: Any = None) -> str:
     """SHA-256 over the shape inventory files (sorted name, then each file's SHA-256)."""
-    from gemv_dispatch.dispatch.paths import shapes_dir
+    from ..common.paths import shapes_dir
 
     files = sorted((folder or shapes_dir()).glob("*.json"))
     if not files:
@@ -334,7 +335,7 @@ class GpuRunner:
     level: Level = "gpu"
 
     def __init__(self, seed: int = 0) -> None:
-        from gemv_dispatch.kernels import launch
+        from ...kernels import launch
 
         self._launch = launch
         self.xp = cp = launch.require_device()
@@ -734,7 +735,7 @@ def _chosen(select: Select, shapes: Sequence[Shape]) -> Iterator[tuple[Key, Cand
 def check_spill_free(names: Sequence[str], arch: str, tally: Tally) -> str | None:
     """Compile the instantiations with nvcc -Xptxas -v: no spills and no stack frame. Returns why it was
     skipped (no nvcc), else None."""
-    from gemv_dispatch.kernels.ptxas import compile_parallel
+    from ...kernels.ptxas import compile_parallel
 
     if shutil.which("nvcc") is None:
         return "nvcc is not on PATH"

@@ -18,7 +18,7 @@ from pathlib import Path
 DATA_ENV = "GEMV_DISPATCH_DATA"
 HOME_ENV = "GEMV_DISPATCH_HOME"
 TABLES_ENV = "GEMV_DISPATCH_TABLES"
-_PACKAGE_ROOT = Path(__file__).resolve().parents[1]  # the checkout, or site-packages/gemv_dispatch
+_PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the checkout, or site-packages/gemv_dispatch
 
 
 def _xdg_data() -> Path:

@@ -12,8 +12,8 @@ share one set of properties.
 
 from __future__ import annotations
 
-from gemv_dispatch.kernels.codebooks import CODEBOOKS, EXECUTION, get
-from gemv_dispatch.kernels.errors import BLOCK, InputError
+from ...kernels.codebooks import CODEBOOKS, EXECUTION, get
+from ...kernels.errors import BLOCK, InputError
 
 MODES: tuple[str, ...] = ("graph", "eager")  # feature "mode" is the index here
 WAVE_OUTPUTS = 128  # outputs per CTA of the canonical wide launch; the unit of the "waves" features

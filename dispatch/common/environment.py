@@ -9,8 +9,9 @@ import subprocess
 from typing import Any
 
 import numpy as np
-from gemv_dispatch.kernels.codebooks import CODEBOOKS
-from gemv_dispatch.kernels.errors import EnvironmentProblem
+
+from ...kernels.codebooks import CODEBOOKS
+from ...kernels.errors import EnvironmentProblem
 
 
 def nvcc_version() -> str | None:
@@ -25,7 +26,7 @@ def nvcc_version() -> str | None:
 
 def cuda_device() -> dict[str, Any] | str:
     """Properties of CUDA device 0, or a sentence saying why there is none."""
-    from gemv_dispatch.kernels import launch
+    from ...kernels import launch
 
     try:
         cp = launch.require_device()
@@ -50,7 +51,7 @@ def cupy_version() -> str | None:
 
 
 def describe() -> dict[str, Any]:
-    from gemv_dispatch.dispatch import __version__
+    from .. import __version__
 
     return {
         "tool": __version__,

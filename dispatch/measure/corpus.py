@@ -43,11 +43,11 @@ from functools import cache, cached_property, lru_cache
 from pathlib import Path
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
-from gemv_dispatch.dispatch.files import write_atomic
-from gemv_dispatch.dispatch.timing import Stats, TimingConfig
-from gemv_dispatch.kernels.codebooks import CODEBOOKS
-from gemv_dispatch.kernels.errors import BLOCK, EnvironmentProblem, InputError
-from gemv_dispatch.kernels.registry import BY_ID, Candidate, candidates_for
+from ...kernels.codebooks import CODEBOOKS
+from ...kernels.errors import BLOCK, EnvironmentProblem, InputError
+from ...kernels.registry import BY_ID, Candidate, candidates_for
+from ..common.files import write_atomic
+from .timing import Stats, TimingConfig
 
 SHARD_FORMAT = "gemv-dispatch-shard/1"
 MANIFEST_FORMAT = "gemv-dispatch-corpus/1"

@@ -28,9 +28,11 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from gemv_dispatch.dispatch import corpus, gpulock
-from gemv_dispatch.dispatch.corpus import Cell, Provenance, gpu_slug
-from gemv_dispatch.dispatch.sweep import (
+from ...kernels.errors import EnvironmentProblem, InputError
+from ...kernels.registry import candidates_for
+from . import corpus, gpulock
+from .corpus import Cell, Provenance, gpu_slug
+from .sweep import (
     CellTiming,
     GpuTimer,
     Progress,
@@ -42,9 +44,7 @@ from gemv_dispatch.dispatch.sweep import (
     cell_work,
     stage_cell,
 )
-from gemv_dispatch.dispatch.timing import TimingConfig
-from gemv_dispatch.kernels.errors import EnvironmentProblem, InputError
-from gemv_dispatch.kernels.registry import candidates_for
+from .timing import TimingConfig
 
 RESTARTS = 3  # a worker process that dies is restarted in place, and its call retried, this often
 

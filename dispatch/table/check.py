@@ -10,7 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gemv_dispatch.dispatch.certify import (
+from ...kernels.errors import InputError
+from ..serve.install import Table
+from .certify import (
     CHECKS,
     SHAPE_CHECKS,
     Outcome,
@@ -18,8 +20,6 @@ from gemv_dispatch.dispatch.certify import (
     certified_shapes,
     run_checks,
 )
-from gemv_dispatch.dispatch.install import Table
-from gemv_dispatch.kernels.errors import InputError
 
 GLOBAL_CHECKS = tuple(c for c in CHECKS if c not in SHAPE_CHECKS)
 

@@ -30,13 +30,13 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from gemv_dispatch.dispatch.certify import current_gpu, read_certificate, sha256
-from gemv_dispatch.dispatch.corpus import gpu_slug
-from gemv_dispatch.dispatch.files import fsync_dir
-from gemv_dispatch.dispatch.generate import CERTIFICATE, FILES, HEADER, MODULE
-from gemv_dispatch.dispatch.paths import tables_dir
-from gemv_dispatch.kernels import program
-from gemv_dispatch.kernels.errors import InputError
+from ...kernels import program
+from ...kernels.errors import InputError
+from ..common.files import fsync_dir
+from ..common.paths import tables_dir
+from ..measure.corpus import gpu_slug
+from ..table.certify import current_gpu, read_certificate, sha256
+from ..table.generate import CERTIFICATE, FILES, HEADER, MODULE
 
 CURRENT = "current"
 PREVIOUS = "previous"

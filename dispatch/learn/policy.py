@@ -18,15 +18,15 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
-from gemv_dispatch.dispatch.features import (
+from ...kernels.errors import InputError
+from ...kernels.registry import BY_ID, CANDIDATES, Candidate, shape_error
+from .features import (
     IDENTITY_FEATURES,
     LAUNCH_FEATURES,
     MODES,
     identity_features,
     launch_features,
 )
-from gemv_dispatch.kernels.errors import InputError
-from gemv_dispatch.kernels.registry import BY_ID, CANDIDATES, Candidate, shape_error
 
 FORMAT = "gemv-dispatch-policy/1"
 CANONICAL_WIDE = "wide.s1.t128.c1"  # canonical(1, k): valid for every shape and M

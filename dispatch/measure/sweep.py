@@ -28,10 +28,15 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol, TextIO
 
-from gemv_dispatch.dispatch import __version__, corpus, gpulock
-from gemv_dispatch.dispatch.corpus import MODES, Cell, Corpus, Provenance, Record, gpu_slug, timing_parameters
-from gemv_dispatch.dispatch.shapes import GRID_NAME, Inventory, default_inventory_dir, load_inventories
-from gemv_dispatch.dispatch.timing import (
+from ...kernels import program
+from ...kernels.codebooks import CODEBOOKS, get
+from ...kernels.errors import EnvironmentProblem, InputError
+from ...kernels.registry import Candidate, candidates_for
+from .. import __version__
+from . import corpus, gpulock
+from .corpus import MODES, Cell, Corpus, Provenance, Record, gpu_slug, timing_parameters
+from .shapes import GRID_NAME, Inventory, default_inventory_dir, load_inventories
+from .timing import (
     CupyBackend,
     Stats,
     TimingConfig,
@@ -39,10 +44,6 @@ from gemv_dispatch.dispatch.timing import (
     copies_for_cold_l2,
     time_candidates,
 )
-from gemv_dispatch.kernels import program
-from gemv_dispatch.kernels.codebooks import CODEBOOKS, get
-from gemv_dispatch.kernels.errors import EnvironmentProblem, InputError
-from gemv_dispatch.kernels.registry import Candidate, candidates_for
 
 DEFAULT_CODEBOOKS = "all"
 DEFAULT_MS = "1,4,16"
@@ -260,7 +261,7 @@ def _cuda_version(v: int) -> str:
 def weight_copies(codebook: str, n: int, k: int, rng: Any, l2_bytes: int, cold: bool = True) -> list[Any]:
     """Random device weights (kernels.launch.random_weights) in enough copies that one rotation reads more
     than 3x L2; a single copy when `cold` is False. `rng` is a cupy.random.Generator."""
-    from gemv_dispatch.kernels import launch
+    from ...kernels import launch
 
     copies = [launch.random_weights(codebook, n, k, rng)]
     count = copies_for_cold_l2(copies[0].nbytes, l2_bytes) if cold else 1
@@ -275,7 +276,7 @@ class GpuTimer:
     caching the last geometry suffices. Copies rotate past 3x the device's L2 unless the config is hot."""
 
     def __init__(self, config: TimingConfig) -> None:
-        from gemv_dispatch.kernels import launch
+        from ...kernels import launch
 
         # Nsight Systems / Compute attach through this variable; nothing timed under them enters a corpus.
         if os.environ.get("CUDA_INJECTION64_PATH"):

@@ -33,16 +33,21 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gemv_dispatch.dispatch import __version__
-from gemv_dispatch.dispatch.corpus import MANIFEST, Corpus
-from gemv_dispatch.dispatch.features import (
+
+from ...kernels import program
+from ...kernels.codebooks import get
+from ...kernels.errors import InputError
+from ...kernels.registry import BY_ID, CANDIDATES, Candidate, mma_row_tiles, row_tile
+from .. import __version__
+from ..measure.corpus import MANIFEST, Corpus
+from .features import (
     IDENTITY_FEATURES,
     LAUNCH_FEATURES,
     MODES,
     identity_features,
     launch_features,
 )
-from gemv_dispatch.dispatch.policy import (
+from .policy import (
     DEFAULT_PROFILE,
     IDENTITIES,
     SERVED_MS,
@@ -54,10 +59,6 @@ from gemv_dispatch.dispatch.policy import (
     tie_key,
     validate_profile,
 )
-from gemv_dispatch.kernels import program
-from gemv_dispatch.kernels.codebooks import get
-from gemv_dispatch.kernels.errors import InputError
-from gemv_dispatch.kernels.registry import BY_ID, CANDIDATES, Candidate, mma_row_tiles, row_tile
 
 RANDOM_STATE = 0
 CANDIDATE_IDS: tuple[str, ...] = tuple(c.id for c in CANDIDATES)

@@ -22,17 +22,19 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
-from gemv_dispatch.dispatch import __version__, features
-from gemv_dispatch.dispatch.certify import (
+
+from ...kernels import registry
+from ...kernels.errors import BLOCK, InputError
+from .. import __version__
+from ..learn import features
+from ..learn.policy import CANONICAL_WIDE, Policy, canonical_kpar
+from ..measure.corpus import gpu_slug
+from .certify import (
     certificate_bytes,
     inventories_digest,
     read_certificate,
     sha256,
 )
-from gemv_dispatch.dispatch.corpus import gpu_slug
-from gemv_dispatch.dispatch.policy import CANONICAL_WIDE, Policy, canonical_kpar
-from gemv_dispatch.kernels import registry
-from gemv_dispatch.kernels.errors import BLOCK, InputError
 
 MODULE = "dispatch_table.py"
 HEADER = "dispatch_table.h"
@@ -80,7 +82,7 @@ def _py_tuple(items: list[Any]) -> str:
 
 def _environment() -> jinja2.Environment:
     env = jinja2.Environment(
-        loader=jinja2.PackageLoader("gemv_dispatch.dispatch", "templates"),
+        loader=jinja2.PackageLoader("gemv_dispatch.dispatch.table", "templates"),
         undefined=jinja2.StrictUndefined,  # a missing value is an error, never an empty string in code
         keep_trailing_newline=True,
         trim_blocks=True,

@@ -5,10 +5,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from gemv_dispatch.dispatch.corpus import Corpus
-from gemv_dispatch.dispatch.policy import Policy
-from gemv_dispatch.dispatch.train import Measurements, TimeModel, serving
-from gemv_dispatch.kernels.codebooks import CODEBOOKS, EXECUTION, get
+from ...kernels.codebooks import CODEBOOKS, EXECUTION, get
+from ..measure.corpus import Corpus
+from .policy import Policy
+from .train import Measurements, TimeModel, serving
 
 NEIGHBOURS = 5
 

@@ -1,0 +1,1 @@
+"""Stage 2, learn: shape features, the policy file, training, evaluation and explanations."""

@@ -1,0 +1,1 @@
+"""Stage 3, table: certification, code generation and checks of a table."""
