@@ -20,8 +20,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from gemv_dispatch.dispatch import __version__
+from gemv_dispatch.dispatch.common.gpu import gpu_slug
 from gemv_dispatch.dispatch.measure import corpus
-from gemv_dispatch.dispatch.measure.corpus import Provenance, Record, gpu_slug, timing_parameters
+from gemv_dispatch.dispatch.measure.corpus import Provenance, Record, timing_parameters
 from gemv_dispatch.dispatch.measure.sweep import ReplayTimer, parse_plan, run_sweep, sweep_timing
 from gemv_dispatch.dispatch.measure.timing import Stats
 from gemv_dispatch.kernels import program

@@ -12,6 +12,7 @@ from typing import Any
 import click
 
 from ..kernels.errors import EnvironmentProblem, InputError
+from .common.contract import MODES
 from .measure.sweep import DEFAULT_CODEBOOKS, DEFAULT_MODES, DEFAULT_MS
 
 
@@ -317,7 +318,7 @@ def evaluate_command(corpus_folder: Path | None, profile: str | None, folds: int
 @click.argument("m", type=int)
 @click.argument("n", type=int)
 @click.argument("k", type=int)
-@click.option("--mode", type=click.Choice(["graph", "eager"]), default="graph", show_default=True)
+@click.option("--mode", type=click.Choice(MODES), default="graph", show_default=True)
 @click.option("--policy", "policy_path", type=click.Path(dir_okay=False, path_type=Path),
               help="Policy file [default: train one on the corpus now].")
 @click.option("--corpus", "corpus_folder", type=click.Path(path_type=Path),
@@ -378,13 +379,14 @@ def certify_command(policy_path: Path, output: Path, corpus_folder: Path | None,
     """Certify POLICY (docs/policy.md §7): every table shape and a seeded sample of unmeasured ones, every M in
     {1..16, 31}, both modes: grouped == serial M=1 bytes, repeat, permutation, poison, emulator equality,
     negative control, spill-free kernels. Exit 1 when a check fails (the certificate records it)."""
+    from .common.files import write_atomic
     from .learn import policy
-    from .table import certify, generate
+    from .table import bundle, certify, generate
 
     loaded = policy.load(policy_path)
     with certify.runner_for(device, seed) as runner:
         cert = certify.certify(loaded, generate.render(loaded), runner, seed=seed, corpus_folder=corpus_folder)
-    output.write_bytes(certify.certificate_bytes(cert))
+    write_atomic(output, bundle.certificate_bytes(cert))
     click.echo(f"{output}: {'passed' if cert['passed'] else 'FAILED'} ({cert['level']}-level on "
                f"{cert['device']['name']}, {cert['keys']} keys, {cert['seconds']} s)")
     if not cert["passed"]:
@@ -401,15 +403,15 @@ def certify_command(policy_path: Path, output: Path, corpus_folder: Path | None,
 def generate_command(policy_path: Path, cert_path: Path, output: Path | None) -> None:
     """Render POLICY as dispatch_table.py (standard library only) and dispatch_table.h (C99) with its
     certificate; refused unless the certificate passed and binds exactly the rendered bytes."""
+    from .common.gpu import gpu_slug
     from .common.paths import home_dir
     from .learn import policy
-    from .measure.corpus import gpu_slug
-    from .table import generate
+    from .table import bundle, generate
 
     loaded = policy.load(policy_path)
     folder = output or home_dir() / "generated" / gpu_slug(str(loaded.source.get("gpu_name")))
     generate.generate(loaded, cert_path, folder)
-    click.echo(f"{folder}: {', '.join(generate.FILES)}")
+    click.echo(f"{folder}: {', '.join(bundle.FILES)}")
 
 
 @main.command("install")
@@ -422,12 +424,12 @@ def install_command(source: Path | None, tables: Path | None, rollback: bool) ->
     """Install the certified table in SOURCE (generated/<gpu-slug>/) for the runtime, atomically, keeping
     the previous one. Refused: a missing, edited or failed certificate, an edited module, other kernel
     sources, another GPU model than this machine's, another install in progress."""
+    from .common.gpu import current_gpu
     from .serve import install
-    from .table import certify
 
     if rollback:
         if source is None:
-            here = certify.current_gpu()
+            here = current_gpu()
             if here is None:
                 raise InputError("--rollback needs the GPU model (e.g. nvidia-h200) on a machine without a GPU")
             name = here["name"]
@@ -451,21 +453,22 @@ def install_command(source: Path | None, tables: Path | None, rollback: bool) ->
 def check_command(source: Path | None, installed: bool, tables: Path | None, device: str) -> None:
     """Re-run the certification checks on a table here: SOURCE (generated/<gpu-slug>/) or --installed.
     Prints a per-codebook summary; exit 1 on any difference, naming the shape, M and first differing element."""
+    from .common.gpu import current_gpu, gpu_slug
     from .common.paths import tables_dir
     from .serve import install
-    from .table import certify, check
+    from .table import bundle, certify, check
 
     if installed:
-        here = certify.current_gpu()
+        here = current_gpu()
         model = here["name"] if here else (source.name if source else None)
         if model is None:
             raise InputError("--installed on a machine without a GPU needs the GPU model, e.g. nvidia-h200")
-        link = (tables or tables_dir()) / install.gpu_slug(model) / install.CURRENT
+        link = (tables or tables_dir()) / gpu_slug(model) / install.CURRENT
         if not link.is_symlink():
             raise InputError(f"{link}: no table is installed for {model}")
-        table = install.verify(link.resolve())
+        table = bundle.verify(link.resolve())
     elif source is not None:
-        table = install.verify(source)
+        table = bundle.verify(source)
     else:
         raise InputError("name a table folder (generated/<gpu-slug>/) or pass --installed")
     runner = certify.runner_for(device, int(table.certificate["seed"]))
@@ -508,14 +511,14 @@ def tune_command(corpus_root: Path | None, replay: Path | None, generated_root: 
     import tempfile
 
     from . import tune
+    from .common.gpu import Gpu, current_gpu
     from .common.paths import home_dir
     from .measure import sweep
     from .measure.corpus import load
     from .table import certify
 
     log = lambda line: click.echo(line, err=True)  # noqa: E731 - progress to stderr, the summary to stdout
-    gpu = certify.current_gpu()
-    if gpu is None and replay is None:
+    if current_gpu() is None and replay is None:
         click.echo("no GPU here: running the embedded default (replay of the committed nvidia-h200 corpus, "
                    "emulator-level certification, reproducibility check)")
         result = tune.embedded_default(log, seed)
@@ -524,14 +527,16 @@ def tune_command(corpus_root: Path | None, replay: Path | None, generated_root: 
             sys.exit(1)
         return
     with tempfile.TemporaryDirectory(prefix="gemv-dispatch-replay-") as tmp:
+        gpu = None
         if replay is not None:
             source = load(replay)
             plans, timer = tune.replay_plans(source), sweep.ReplayTimer(source)
             root = corpus_root or Path(tmp)
         else:
             plans = [sweep.parse_plan(codebooks, ms, modes, shape_paths)]
-            timer, root = sweep.GpuTimer(plans[0].timing), corpus_root or home_dir() / "corpus"
-        runner = certify.runner_for("auto", seed)
+            gpu = Gpu.open()  # one device object: the sweep's timer and the certifier's runner share it
+            timer, root = sweep.GpuTimer(plans[0].timing, gpu), corpus_root or home_dir() / "corpus"
+        runner = certify.runner_for("auto", seed, gpu)
         result = tune.tune(plans, root, timer, runner, generated_root or home_dir() / "generated", tables, seed=seed,
                            log=log)
         _echo_lines(result.lines())

@@ -19,12 +19,13 @@ from pathlib import Path
 from typing import Any
 
 from ..kernels.errors import InputError
+from .common.gpu import current_gpu
 from .common.paths import data_dir
 from .learn.policy import Policy
 from .measure.corpus import Corpus, load
 from .measure.sweep import SweepPlan, Timer, run_sweep
 from .serve import install
-from .table import certify, generate
+from .table import bundle, certify, generate
 
 DEFAULT_GPU = "nvidia-h200"  # the committed corpus and table the embedded default reproduces
 POLICY = "policy.json"
@@ -129,7 +130,7 @@ def train_policy(folder: Path, log: Callable[[str], None] = certify._log) -> Pol
 
 def tune(plans: Sequence[SweepPlan], corpus_root: Path, timer: Timer, runner: certify.Runner, generated_root: Path,
          tables: Path | None, *, install_table: bool = True, seed: int = 0,
-         gpu: Callable[[], dict[str, str] | None] = certify.current_gpu,
+         gpu: Callable[[], dict[str, str] | None] = current_gpu,
          log: Callable[[str], None] = certify._log) -> TuneResult:
     """Run every stage; StageFailed (nothing installed) when certification fails. `gpu` reports this machine's
     GPU to `install` (tests substitute it)."""
@@ -174,12 +175,12 @@ def embedded_default(log: Callable[[str], None] = certify._log, seed: int = 0) -
         result = tune(replay_plans(source), Path(tmp) / "corpus", ReplayTimer(source),
                       certify.EmulatorRunner(seed), Path(tmp) / "generated", None, install_table=False, seed=seed,
                       log=log)
-        if not (committed / generate.MODULE).is_file():
+        if not (committed / bundle.MODULE).is_file():
             log(f"reproducible: cannot say, {committed} holds no table yet (it is committed after a GPU run)")
             reproduced = None
         else:
             reproduced = all((committed / name).read_bytes() == (result.generated / name).read_bytes()
-                             for name in (generate.MODULE, generate.HEADER))
+                             for name in (bundle.MODULE, bundle.HEADER))
         mismatch = "" if reproduced in (True, None) else policy_mismatch(committed / POLICY, result.policy)
         return TuneResult(source.folder, result.cells, result.policy, result.regret, result.price_of_invariance,
                           result.certificate, None, None, reproduced, mismatch)

@@ -17,8 +17,9 @@ import numpy as np
 from click.testing import CliRunner
 from gemv_dispatch.dispatch import __version__
 from gemv_dispatch.dispatch.cli import main
+from gemv_dispatch.dispatch.common.gpu import gpu_slug
 from gemv_dispatch.dispatch.measure import corpus
-from gemv_dispatch.dispatch.measure.corpus import Cell, Provenance, Record, gpu_slug, timing_parameters
+from gemv_dispatch.dispatch.measure.corpus import Cell, Provenance, Record, timing_parameters
 from gemv_dispatch.dispatch.measure.shapes import Inventory, Shape, write_inventory
 from gemv_dispatch.dispatch.measure.timing import Stats, TimingConfig, cell_seed
 from gemv_dispatch.kernels import program

@@ -11,8 +11,9 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
+from gemv_dispatch.dispatch.common.digests import with_digest
 from gemv_dispatch.dispatch.learn.policy import Policy
-from gemv_dispatch.dispatch.table import certify, generate
+from gemv_dispatch.dispatch.table import bundle, certify, generate
 from policy_fixture import random_policy
 
 
@@ -32,10 +33,10 @@ def certified_folder(folder: Path, policy: Policy | None = None) -> Path:
 
 def forge(folder: Path, edit: Any) -> None:
     """Apply `edit(cert)` to the folder's certificate and give it a matching digest."""
-    path = folder / generate.CERTIFICATE
-    cert = certify.read_certificate(path.read_bytes(), str(path))
+    path = folder / bundle.CERTIFICATE
+    cert = bundle.read_certificate(path.read_bytes(), str(path))
     edit(cert)
-    path.write_bytes(certify.certificate_bytes(certify.with_digest(cert)))
+    path.write_bytes(bundle.certificate_bytes(with_digest(cert)))
 
 
 def as_gpu_level(cert: dict[str, Any]) -> None:

@@ -7,8 +7,9 @@ from unittest import mock
 
 import numpy as np
 import pytest
+from gemv_dispatch.dispatch.common.digests import sha256
 from gemv_dispatch.dispatch.learn.policy import Choice
-from gemv_dispatch.dispatch.table import certify, generate
+from gemv_dispatch.dispatch.table import bundle, certify, generate
 from gemv_dispatch.dispatch.table.certify import CHECKS, EmulatorRunner, Shape, Tally, run_checks
 from gemv_dispatch.kernels.errors import InputError
 from gemv_dispatch.kernels.ptxas import KernelResources
@@ -126,15 +127,15 @@ def test_certificate_binds_and_refuses_edits(tmp_path):
     assert set(cert["checks"]) == set(CHECKS)
     assert cert["checks"]["spill_free"] == {**cert["checks"]["spill_free"], "result": "skipped",
                                             "reason": "nvcc is not on PATH"}
-    assert cert["digests"]["artifacts"] == {name: certify.sha256(data) for name, data in rendered.items()}
+    assert cert["digests"]["artifacts"] == {name: sha256(data) for name, data in rendered.items()}
     assert {s[3] for s in cert["shapes"]} == {"measured", "sampled"}
-    data = certify.certificate_bytes(cert)
-    assert certify.read_certificate(data, "cert") == cert
+    data = bundle.certificate_bytes(cert)
+    assert bundle.read_certificate(data, "cert") == cert
     for at in (10, len(data) // 2, len(data) - 3):
         edited = bytearray(data)
         edited[at] ^= 1
         with pytest.raises(InputError):
-            certify.read_certificate(bytes(edited), "cert")
+            bundle.read_certificate(bytes(edited), "cert")
     # generate refuses a certificate that binds other bytes.
     with pytest.raises(InputError, match="other module bytes"):
         generate.check_binding(generate.render(small_policy(23)), cert, "x")

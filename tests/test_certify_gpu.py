@@ -4,6 +4,7 @@ device bytes equal the emulator's, and a table whose identity changes with M is 
 from __future__ import annotations
 
 import pytest
+from gemv_dispatch.dispatch.common.gpu import current_gpu
 from gemv_dispatch.dispatch.learn.policy import Choice
 from gemv_dispatch.dispatch.table import certify, generate
 from gemv_dispatch.dispatch.table.certify import GpuRunner, Shape, run_checks
@@ -18,7 +19,7 @@ def quiet(line: str) -> None:
 
 @pytest.fixture(scope="module")
 def device_name():
-    return certify.current_gpu()["name"]
+    return current_gpu()["name"]
 
 
 def test_policy_certifies_at_gpu_level(device_name):

@@ -5,17 +5,16 @@ from __future__ import annotations
 
 import pytest
 from gemv_dispatch.dispatch.common.paths import data_dir
-from gemv_dispatch.dispatch.serve import install
-from gemv_dispatch.dispatch.table import certify, generate
+from gemv_dispatch.dispatch.table import bundle, certify, generate
 from gemv_dispatch.kernels import program
 
 FOLDER = data_dir() / "generated" / "nvidia-h200"
-pytestmark = pytest.mark.skipif(not (FOLDER / generate.MODULE).is_file(),
+pytestmark = pytest.mark.skipif(not (FOLDER / bundle.MODULE).is_file(),
                                 reason=f"{FOLDER} holds no table yet (committed after a GPU run)")
 
 
 def test_committed_table_matches_the_repository():
-    table = install.verify(FOLDER)  # certificate, module and header bytes, DIGESTS, kernel digest
+    table = bundle.verify(FOLDER)  # certificate, module and header bytes, DIGESTS, kernel digest
     cert = table.certificate
     assert cert["level"] == "gpu" and cert["gpu_name"] == "NVIDIA H200" and cert["passed"]
     assert cert["digests"]["kernels"] == program.digest()
@@ -26,4 +25,4 @@ def test_committed_table_matches_the_repository():
     if policy_path.is_file():
         from gemv_dispatch.dispatch.learn.policy import load
 
-        assert generate.render(load(policy_path)) == {n: table.files[n] for n in (generate.MODULE, generate.HEADER)}
+        assert generate.render(load(policy_path)) == {n: table.files[n] for n in (bundle.MODULE, bundle.HEADER)}

@@ -15,6 +15,7 @@ import pytest
 from click.testing import CliRunner
 from corpus_fixture import FAKE_GPU, build_corpus, cells, fake_provenance, fake_records, tree
 from gemv_dispatch.dispatch.cli import main
+from gemv_dispatch.dispatch.common.gpu import gpu_slug
 from gemv_dispatch.dispatch.measure import corpus
 from gemv_dispatch.dispatch.measure.corpus import (
     MANIFEST,
@@ -23,7 +24,6 @@ from gemv_dispatch.dispatch.measure.corpus import (
     Provenance,
     Record,
     compact,
-    gpu_slug,
     load,
     write_shard,
 )

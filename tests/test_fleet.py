@@ -16,7 +16,8 @@ from collections.abc import Iterator
 
 import pytest
 from corpus_fixture import FAKE_GPU, SLUG, build_corpus, cells, fake_provenance, invoke, sweep_args, tree
-from gemv_dispatch.dispatch.measure.corpus import gpu_slug, load
+from gemv_dispatch.dispatch.common.gpu import gpu_slug
+from gemv_dispatch.dispatch.measure.corpus import load
 from gemv_dispatch.dispatch.measure.fleet import ReplaySpec, run_fleet
 from gemv_dispatch.dispatch.measure.sweep import ReplayTimer, parse_plan, run_sweep
 from test_sweep import cli, shard_files

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from gemv_dispatch.dispatch.learn.features import MODES
-from gemv_dispatch.dispatch.table import generate
+from gemv_dispatch.dispatch.table import bundle, generate
 from gemv_dispatch.kernels import registry
 from gemv_dispatch.kernels.errors import InputError
 from gemv_dispatch.kernels.registry import CANDIDATES
@@ -89,7 +89,7 @@ def test_module_policy_and_header_agree(seed, tmp_path):
     print(f"seed {seed}")
     policy = random_policy(seed)
     rendered = generate.render(policy, GOLDEN_INVENTORIES)
-    module = load_module(rendered[generate.MODULE], tmp_path)
+    module = load_module(rendered[bundle.MODULE], tmp_path)
     keys = random_keys(policy, np.random.default_rng(seed), 50_000)
     sources = set()
     py = []
@@ -110,14 +110,14 @@ def test_module_policy_and_header_agree(seed, tmp_path):
     assert 0.2 < py.count("error -2") / len(keys) < 0.6, "keys on both sides of the plane limit"
     if shutil.which("cc") is None:
         pytest.skip("no C compiler (cc) on PATH: the header half of this test needs one")
-    c = c_select(rendered[generate.HEADER], keys, tmp_path)
+    c = c_select(rendered[bundle.HEADER], keys, tmp_path)
     for key, want, got in zip(keys, py, c, strict=True):
         assert got == want, f"seed {seed} key {key}: C header {got}, policy {want}"
 
 
 def test_validity_rule_matches_registry(tmp_path):
     """The rendered validity rule and identity function equal kernels.registry's on random (M, N, K)."""
-    module = load_module(generate.render(random_policy(3), GOLDEN_INVENTORIES)[generate.MODULE], tmp_path)
+    module = load_module(generate.render(random_policy(3), GOLDEN_INVENTORIES)[bundle.MODULE], tmp_path)
     rng = np.random.default_rng(3)
     for _ in range(20_000):
         m, n, k = int(rng.integers(1, 40)), int(rng.integers(1, 5000)), 32 * int(rng.integers(1, 600))
@@ -129,7 +129,7 @@ def test_validity_rule_matches_registry(tmp_path):
 def test_invalid_arguments_refused_by_module_and_header(tmp_path):
     policy = random_policy(4)
     rendered = generate.render(policy, GOLDEN_INVENTORIES)
-    module = load_module(rendered[generate.MODULE], tmp_path)
+    module = load_module(rendered[bundle.MODULE], tmp_path)
     for bad in [("q9_9", 1, 8, 32, "graph"), ("q4_0", 0, 8, 32, "graph"), ("q4_0", 1, 8, 48, "graph"),
                 ("q4_0", 1, 8, 32, "lazy"), ("q4_0", True, 8, 32, "graph"), ("q4_0", 1, 1 << 22, 32 << 10, "graph"),
                 ("q4_0", 1 << 22, 8, 32 << 10, "graph")]:
@@ -140,9 +140,9 @@ def test_invalid_arguments_refused_by_module_and_header(tmp_path):
     bad_c = [("q9_9", 1, 8, 32, "graph"), ("q4_0", 0, 8, 32, "graph"), ("q4_0", 1, 8, 48, "graph"),
              ("q4_0", 1, 1 << 31, 32, "graph"), ("q4_0", 1, 1 << 22, 32 << 10, "graph"),
              ("q4_0", 1 << 22, 8, 32 << 10, "graph")]
-    assert c_select(rendered[generate.HEADER], bad_c, tmp_path) == ["error -1"] + ["error -2"] * 5
+    assert c_select(rendered[bundle.HEADER], bad_c, tmp_path) == ["error -1"] + ["error -2"] * 5
     below = ("q4_0", 1, (1 << 22) - 1, 32 << 10, "graph")  # 2^10 blocks below the limit: answered
-    assert c_select(rendered[generate.HEADER], [below], tmp_path)[0] != "error -2"
+    assert c_select(rendered[bundle.HEADER], [below], tmp_path)[0] != "error -2"
     assert module.select(*below) == policy.select(*below)
 
 

@@ -18,7 +18,7 @@ import pytest
 from click.testing import CliRunner
 from gemv_dispatch.dispatch.cli import main
 from gemv_dispatch.dispatch.serve import install
-from gemv_dispatch.dispatch.table import generate
+from gemv_dispatch.dispatch.table import bundle
 from gemv_dispatch.kernels.errors import InputError
 from policy_fixture import FAKE_GPU
 from table_fixture import as_gpu_level, certified_folder, forge, small_policy
@@ -36,7 +36,7 @@ def tables_made(tmp_path_factory):
 
 def copy(folder: Path, to: Path) -> Path:
     to.mkdir(parents=True)
-    for name in generate.FILES:
+    for name in bundle.FILES:
         (to / name).write_bytes((folder / name).read_bytes())
     return to
 
@@ -47,7 +47,7 @@ def cli(*args: str):
 
 def current_bytes(tables: Path) -> dict[str, bytes]:
     current = tables / "fake-gpu-9000" / install.CURRENT
-    return {name: (current / name).read_bytes() for name in generate.FILES}
+    return {name: (current / name).read_bytes() for name in bundle.FILES}
 
 
 def test_install_serves_the_table_and_rollback_swaps(tables_made, tmp_path):
@@ -61,10 +61,10 @@ def test_install_serves_the_table_and_rollback_swaps(tables_made, tmp_path):
     assert tuple(loaded.select("q4_0", 5, 256, 512, "graph")) == tuple(small_policy().select("q4_0", 5, 256, 512))
     second = install.install(b, tables, gpu=lambda: None)
     assert second.previous == done.version
-    assert current_bytes(tables)[generate.MODULE] == (b / generate.MODULE).read_bytes()
+    assert current_bytes(tables)[bundle.MODULE] == (b / bundle.MODULE).read_bytes()
     back = install.rollback(FAKE_GPU, tables)
     assert back.version == done.version
-    assert current_bytes(tables)[generate.MODULE] == (a / generate.MODULE).read_bytes()
+    assert current_bytes(tables)[bundle.MODULE] == (a / bundle.MODULE).read_bytes()
     # Only the current and previous versions are kept.
     assert len(list((tables / "fake-gpu-9000" / install.VERSIONS).iterdir())) == 2
 
@@ -83,22 +83,22 @@ def test_gpu_model_and_level_rules(tables_made, tmp_path):
 
 
 def tamper_module(folder: Path) -> None:
-    data = bytearray((folder / generate.MODULE).read_bytes())
+    data = bytearray((folder / bundle.MODULE).read_bytes())
     data[-2] ^= 1  # one byte
-    (folder / generate.MODULE).write_bytes(bytes(data))
+    (folder / bundle.MODULE).write_bytes(bytes(data))
 
 
 def tamper_certificate(folder: Path) -> None:
-    data = bytearray((folder / generate.CERTIFICATE).read_bytes())
+    data = bytearray((folder / bundle.CERTIFICATE).read_bytes())
     at = data.index(b'"seed"')
     data[at + 9] ^= 1  # one byte of a value
-    (folder / generate.CERTIFICATE).write_bytes(bytes(data))
+    (folder / bundle.CERTIFICATE).write_bytes(bytes(data))
 
 
 BAD = {
     "tampered module": (tamper_module, "bytes differ from what the certificate binds"),
     "tampered certificate": (tamper_certificate, "digest mismatch|not a JSON certificate file"),
-    "missing certificate": (lambda f: (f / generate.CERTIFICATE).unlink(), "no certificate.json"),
+    "missing certificate": (lambda f: (f / bundle.CERTIFICATE).unlink(), "no certificate.json"),
     "other kernels": (lambda f: forge(f, lambda c: c["digests"].update(kernels="0" * 64)), "kernel sources"),
     "failed certificate": (lambda f: forge(f, lambda c: c.update(passed=False)), "failed or missing checks"),
     "module digests differ": (lambda f: forge(f, lambda c: c["digests"].update(policy="0" * 64)),
@@ -206,7 +206,7 @@ def test_install_killed_at_any_point_leaves_a_working_table(tables_made, tmp_pat
     seed = random.randrange(1 << 30)
     print(f"{total} OS calls per install; random seed {seed}")
     points = list(range(1, total + 1)) + random.Random(seed).sample(range(1, total + 1), min(5, total))
-    old, new = (a / generate.MODULE).read_bytes(), (b / generate.MODULE).read_bytes()
+    old, new = (a / bundle.MODULE).read_bytes(), (b / bundle.MODULE).read_bytes()
     for limit in points:
         tables = tmp_path / f"t{limit}-{len(list(tmp_path.iterdir()))}"
         install.install(a, tables, gpu=lambda: None)
@@ -215,9 +215,9 @@ def test_install_killed_at_any_point_leaves_a_working_table(tables_made, tmp_pat
         install._load_version.cache_clear()
         loaded = install.installed_table(FAKE_GPU, tables)
         assert loaded is not None, f"kill point {limit}: no table"
-        assert loaded.table.files[generate.MODULE] in (old, new), f"kill point {limit}"
+        assert loaded.table.files[bundle.MODULE] in (old, new), f"kill point {limit}"
         install.install(b, tables, gpu=lambda: None)  # recovers what the killed install left
-        assert current_bytes(tables)[generate.MODULE] == new
+        assert current_bytes(tables)[bundle.MODULE] == new
         leftovers = [p.name for p in (tables / "fake-gpu-9000").rglob("*") if ".tmp" in p.name]
         assert not leftovers, f"kill point {limit}: {leftovers}"
 

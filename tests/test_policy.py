@@ -102,13 +102,13 @@ def test_round_trip_and_digest_tamper(policy_file):
 
 
 def test_structural_defects_are_refused_even_with_a_fresh_digest(policy_file):
-    from gemv_dispatch.dispatch.learn.policy import content_digest
+    from gemv_dispatch.dispatch.common.digests import canonical_bytes, content_digest
 
     obj = json.loads(policy_file.read_bytes())
     obj["fallback"]["launch_tree"]["leaves"][0] = ["no.such.candidate"]
     obj["digest"] = content_digest(obj)
     with pytest.raises(InputError, match="unknown candidate"):
-        Policy.from_bytes(json.dumps(obj).encode())
+        Policy.from_bytes(canonical_bytes(obj))
 
 
 def test_digest_follows_the_content(policy_file):
@@ -116,7 +116,7 @@ def test_digest_follows_the_content(policy_file):
     code has its own digest, not a stale copy."""
     from dataclasses import replace
 
-    from gemv_dispatch.dispatch.learn.policy import content_digest
+    from gemv_dispatch.dispatch.common.digests import content_digest
 
     obj = json.loads(policy_file.read_bytes())
     cb = next(cb for cb, rows in obj["shapes"].items() if len(rows) > 1)

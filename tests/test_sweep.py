@@ -28,7 +28,7 @@ from corpus_fixture import (
     write_shapes,
 )
 from gemv_dispatch.dispatch.cli import main
-from gemv_dispatch.dispatch.measure import corpus, gpulock, sweep
+from gemv_dispatch.dispatch.measure import corpus, gpulock
 from gemv_dispatch.dispatch.measure.corpus import MANIFEST, SHARDS, Cell, compact, load, write_shard
 from gemv_dispatch.dispatch.measure.shapes import Inventory, Shape, load_inventory, write_inventory
 from gemv_dispatch.dispatch.measure.sweep import (
@@ -389,7 +389,8 @@ def test_gpu_lock_refuses_a_second_holder_and_names_its_pid(locks):
 
 
 def test_a_second_sweep_on_one_gpu_is_refused_or_waits(source, shapes, locks, tmp_path):
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom gemv_dispatch.dispatch import gpulock\n"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\n"
+                               "from gemv_dispatch.dispatch.measure import gpulock\n"
                                f"with gpulock.hold({LockingReplay.lock_key!r}):\n print('held', flush=True)\n"
                                " time.sleep(float(sys.argv[1]))\n print('releasing', time.time(), flush=True)", "1.5"],
                               stdout=subprocess.PIPE, text=True)
@@ -464,11 +465,13 @@ def test_an_inventory_into_a_read_only_folder_names_the_path(tmp_path, monkeypat
 def test_the_gpu_uuid_survives_a_zero_byte(monkeypatch):
     """CUDA's 16 UUID bytes spell nvidia-smi's UUID; bytes cut at a zero byte (CuPy reads a C string) are
     asked of nvidia-smi by PCI bus id, and an answer from neither is an environment problem."""
-    assert sweep.gpu_uuid(bytes(range(16)), "x") == "GPU-00010203-0405-0607-0809-0a0b0c0d0e0f"
+    from gemv_dispatch.dispatch.common import gpu
+
+    assert gpu.gpu_uuid(bytes(range(16)), "x") == "GPU-00010203-0405-0607-0809-0a0b0c0d0e0f"
     asked = []
-    monkeypatch.setattr(sweep, "_nvidia_smi", lambda gpu, query: asked.append((gpu, query)) or ["GPU-00ab-cd"])
-    assert sweep.gpu_uuid(b"", "00000000:19:00.0") == "GPU-00ab-cd"
+    monkeypatch.setattr(gpu, "nvidia_smi", lambda gpu, query: asked.append((gpu, query)) or ["GPU-00ab-cd"])
+    assert gpu.gpu_uuid(b"", "00000000:19:00.0") == "GPU-00ab-cd"
     assert asked == [("00000000:19:00.0", "uuid")]
-    monkeypatch.setattr(sweep, "_nvidia_smi", lambda gpu, query: None)
+    monkeypatch.setattr(gpu, "nvidia_smi", lambda gpu, query: None)
     with pytest.raises(EnvironmentProblem, match=r"cannot read the UUID of GPU 00000000:19:00\.0"):
-        sweep.gpu_uuid(b"\x12\x34", "00000000:19:00.0")
+        gpu.gpu_uuid(b"\x12\x34", "00000000:19:00.0")

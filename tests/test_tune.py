@@ -9,8 +9,10 @@ import pytest
 from click.testing import CliRunner
 from corpus_fixture import build_corpus
 from gemv_dispatch.dispatch.cli import main
+from gemv_dispatch.dispatch.common import gpu as gpu_module
+from gemv_dispatch.dispatch.common.digests import sha256
 from gemv_dispatch.dispatch.serve import install
-from gemv_dispatch.dispatch.table import certify, generate
+from gemv_dispatch.dispatch.table import bundle, certify, generate
 from policy_fixture import FAKE_GPU
 from table_fixture import forge
 
@@ -35,7 +37,7 @@ def test_tune_runs_every_stage_and_installs(tuned):
                  "installed:"):
         assert fact in result.output, fact
     folder = root / "generated" / "fake-gpu-9000"
-    assert sorted(p.name for p in folder.iterdir()) == sorted([*generate.FILES, "policy.json"])
+    assert sorted(p.name for p in folder.iterdir()) == sorted([*bundle.FILES, "policy.json"])
     loaded = install.installed_table(FAKE_GPU, root / "tables")
     assert loaded is not None and loaded.gpu_level is False
 
@@ -50,16 +52,16 @@ def test_check_passes_on_the_table_and_fails_naming_the_key(tuned, tmp_path, mon
     # A module that changes the identity at M = 3, re-bound by a forged certificate: check must catch it.
     bad = tmp_path / "fake-gpu-9000"
     bad.mkdir()
-    for name in generate.FILES:
+    for name in bundle.FILES:
         (bad / name).write_bytes((folder / name).read_bytes())
-    module = (bad / generate.MODULE).read_text() + (
+    module = (bad / bundle.MODULE).read_text() + (
         "\n\n_select = select\n\n\ndef select(codebook, m, n, k, mode='graph'):\n"
         "    c = _select(codebook, m, n, k, mode)\n"
         "    if m == 3 and k == 4096:\n"
         "        return Choice('kpar.s8.t128.c1', 8, c.source)\n"
         "    return c\n")
-    (bad / generate.MODULE).write_text(module)
-    forge(bad, lambda c: c["digests"]["artifacts"].update({generate.MODULE: certify.sha256(module.encode())}))
+    (bad / bundle.MODULE).write_text(module)
+    forge(bad, lambda c: c["digests"]["artifacts"].update({bundle.MODULE: sha256(module.encode())}))
     failed = CliRunner().invoke(main, ["check", str(bad)])
     assert failed.exit_code == 1, failed.output
     assert "K=4096 M=3" in failed.output and "row " in failed.output
@@ -84,7 +86,7 @@ def test_embedded_default_reproduces_the_committed_table(monkeypatch, tmp_path):
     build_corpus(data / "corpus", fake_provenance(gpu_name="NVIDIA H200"))
     (data / "corpus" / "shapes").symlink_to(paths.shapes_dir())
     monkeypatch.setenv(paths.DATA_ENV, str(data))
-    monkeypatch.setattr(certify, "current_gpu", lambda: None)
+    monkeypatch.setattr(gpu_module, "current_gpu", lambda: None)
     monkeypatch.setattr(certify.shutil, "which", lambda name: None)
     # Train once (train has tests of its own; it is deterministic): every run below gets this policy.
     policy = tune.train_policy(data / "corpus" / tune.DEFAULT_GPU)
@@ -110,7 +112,7 @@ def test_embedded_default_reproduces_the_committed_table(monkeypatch, tmp_path):
     commit(policy)
     second = run()
     assert second.exit_code == 0 and "reproducible: yes" in second.output, second.output
-    (committed / generate.HEADER).write_bytes((committed / generate.HEADER).read_bytes() + b"\n")
+    (committed / bundle.HEADER).write_bytes((committed / bundle.HEADER).read_bytes() + b"\n")
     third = run()
     assert third.exit_code == 1 and "reproducible: NO" in third.output, third.output
     assert "the policy is the same, so the rendering differs" in third.output

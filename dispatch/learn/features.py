@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from ...kernels.codebooks import CODEBOOKS, EXECUTION, get
 from ...kernels.errors import BLOCK, InputError
+from ..common.contract import MODES
 
-MODES: tuple[str, ...] = ("graph", "eager")  # feature "mode" is the index here
 WAVE_OUTPUTS = 128  # outputs per CTA of the canonical wide launch; the unit of the "waves" features
 SCALE = 64  # fixed-point scale of the ratio features
 

@@ -8,8 +8,6 @@ policy and selecting a kernel is plain Python over ints, the same steps the gene
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -20,6 +18,8 @@ from typing import Any, Literal, NamedTuple
 
 from ...kernels.errors import InputError
 from ...kernels.registry import BY_ID, CANDIDATES, Candidate, shape_error
+from ..common.contract import SERVED_MS
+from ..common.digests import canonical_bytes, content_digest, read_digested
 from .features import (
     IDENTITY_FEATURES,
     LAUNCH_FEATURES,
@@ -31,36 +31,11 @@ from .features import (
 FORMAT = "gemv-dispatch-policy/1"
 CANONICAL_WIDE = "wide.s1.t128.c1"  # canonical(1, k): valid for every shape and M
 IDENTITIES: tuple[int, ...] = tuple(sorted({c.ksplit for c in CANDIDATES}))  # every identity a shape can get
-SERVED_MS: tuple[int, ...] = (*range(1, 17), 31)  # the M set a table serves (docs/policy.md §7)
 # docs/policy.md §6 default: weight 0.5 on M = 1, the other 0.5 spread evenly over {2..16, 31}: 16 : 1 x 16.
 DEFAULT_PROFILE: Mapping[int, int] = {1: len(SERVED_MS) - 1, **dict.fromkeys(SERVED_MS[1:], 1)}
 
 IdentityKey = tuple[str, int, int]  # (codebook, n, k)
 LaunchKey = tuple[str, int, int, int, str]  # (codebook, m, n, k, mode)
-
-
-def canonical_bytes(obj: Any) -> bytes:
-    """The one serialization of a policy (and of anything hashed with it)."""
-    return (json.dumps(obj, sort_keys=True, indent=1) + "\n").encode()
-
-
-def content_digest(obj: Mapping[str, Any]) -> str:
-    """SHA-256 of the canonical JSON of `obj` without its "digest" key."""
-    return hashlib.sha256(canonical_bytes({k: v for k, v in obj.items() if k != "digest"})).hexdigest()
-
-
-def read_digested(data: bytes, where: str, fmt: str, what: str, writer: str) -> dict[str, Any]:
-    """A JSON object of format `fmt` that carries its own digest (a policy file, a certificate); InputError, one
-    line naming `where`, unless it parses, has that format and its digest matches its content."""
-    try:
-        obj = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise InputError(f"{where}: not a JSON {what} file ({err})") from None
-    if not isinstance(obj, dict) or obj.get("format") != fmt:
-        raise InputError(f"{where}: not a {fmt} file")
-    if obj.get("digest") != content_digest(obj):
-        raise InputError(f"{where}: digest mismatch: the {what} was edited after `{writer}` wrote it")
-    return obj
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -23,7 +23,6 @@ Pipeline (every step deterministic; sklearn estimators seeded):
 
 from __future__ import annotations
 
-import hashlib
 import math
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -39,6 +38,7 @@ from ...kernels.codebooks import get
 from ...kernels.errors import InputError
 from ...kernels.registry import BY_ID, CANDIDATES, Candidate, mma_row_tiles, row_tile
 from .. import __version__
+from ..common.digests import sha256
 from ..measure.corpus import MANIFEST, Corpus
 from .features import (
     IDENTITY_FEATURES,
@@ -102,7 +102,7 @@ class Measurements:
             cell[cand] = max(cell.get(cand, 0.0), math.fsum(values) / len(values))  # worst alias
         manifest = Path(corpus.folder) / MANIFEST
         first = provenances[0]
-        source = {"corpus": Path(corpus.folder).name, "corpus_manifest_sha256": _sha256(manifest.read_bytes()),
+        source = {"corpus": Path(corpus.folder).name, "corpus_manifest_sha256": sha256(manifest.read_bytes()),
                   "gpu_name": first.gpu_name, "sm_count": first.sm_count, "kernel_digest": first.kernel_digest,
                   "tool_version": __version__}
         noise = max(float(p.timing.get("noise_rel", 0.02)) for p in provenances)
@@ -129,10 +129,6 @@ class Measurements:
 def serving(m: int, n: int, k: int) -> Mapping[str, int]:
     """Candidate id -> identity, for the candidates valid at (M, N, K) (policy.fits, memoized: hot in training)."""
     return {c.id: c.identity(k) for c in CANDIDATES if c.valid(m, n, k)}
-
-
-def _sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 def best_launch(times: Mapping[str, float], identity: int, m: int, n: int, k: int,

@@ -25,10 +25,7 @@ that fails leaves every file as it was.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import fcntl
-import hashlib
 import itertools
 import json
 import math
@@ -37,7 +34,7 @@ import os
 import re
 import shutil
 import types
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, fields
 from functools import cache, cached_property, lru_cache
 from pathlib import Path
@@ -46,27 +43,20 @@ from typing import Any, Union, get_args, get_origin, get_type_hints
 from ...kernels.codebooks import CODEBOOKS
 from ...kernels.errors import BLOCK, EnvironmentProblem, InputError
 from ...kernels.registry import BY_ID, Candidate, candidates_for
-from ..common.files import write_atomic
+from ..common.contract import MODES
+from ..common.digests import canonical_bytes, compact_json, sha256
+from ..common.files import locked, write_atomic
 from .timing import Stats, TimingConfig
 
 SHARD_FORMAT = "gemv-dispatch-shard/1"
 MANIFEST_FORMAT = "gemv-dispatch-corpus/1"
 MANIFEST = "manifest.json"
 SHARDS = "shards"
-MODES = ("graph", "eager")
 # Read-outs that drift between runs on the same device; they are recorded but kept out of the key, so a
 # resumed sweep on the same GPU, sources and timing parameters still matches its earlier cells.
 VOLATILE = ("sm_clock_mhz", "mem_clock_mhz")
 SHARD_NAME = re.compile(r"([0-9a-f]{16})-([0-9a-f]{16})\.jsonl")
 COMPACTION_SPACE = 2  # free space compaction asks for, in multiples of the shards' size (new + margin)
-
-
-def _canonical(obj: Any) -> str:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"))
-
-
-def _sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 def _checker(hint: Any) -> Callable[[Any], bool]:
@@ -156,7 +146,7 @@ class Provenance:
     def key(self) -> str:
         """Short SHA-256 of the canonical JSON minus the volatile clocks."""
         stable = {k: v for k, v in self.to_dict().items() if k not in VOLATILE}
-        return _sha256(_canonical(stable).encode())[:16]
+        return sha256(compact_json(stable).encode())[:16]
 
 
 @dataclass(frozen=True, order=True)
@@ -235,7 +225,7 @@ class Record:
 
     def to_json(self) -> str:
         # Plain field values, all JSON scalars: dataclasses.asdict's deep copy would cost more than the dump.
-        return _canonical({name: self.__dict__[name] for name in _schema(Record).names})
+        return compact_json({name: self.__dict__[name] for name in _schema(Record).names})
 
     def problem(self) -> str | None:
         """What makes this record impossible (the checks applied to user input), or None."""
@@ -285,28 +275,8 @@ def _combine(records: Iterable[Record]) -> list[Record]:
     return [chosen[i] for i in sorted(chosen)]
 
 
-def gpu_slug(name: str) -> str:
-    """Folder name of a GPU model: "NVIDIA H200" -> "nvidia-h200"."""
-    slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
-    if not slug:
-        raise InputError(f"GPU name {name!r} gives no folder name")
-    return slug
-
-
 # ---------------------------------------------------------------------------------------------------------
 # Files
-
-
-@contextlib.contextmanager
-def _locked(folder: Path, shared: bool = False) -> Iterator[None]:
-    """flock on the folder itself: no lock file to clutter the checked-in corpus; the kernel drops the
-    lock when its holder dies, so a killed sweep never leaves the folder locked."""
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
 
 
 def _require(folder: Path) -> None:
@@ -331,7 +301,7 @@ class Manifest:
             "shards": {name: dataclasses.asdict(e) for name, e in sorted(self.shards.items())},
             "retired": sorted(self.retired),
         }
-        return (json.dumps(data, sort_keys=True, indent=1) + "\n").encode()
+        return canonical_bytes(data)
 
 
 def _read_manifest(folder: Path) -> Manifest:
@@ -367,7 +337,7 @@ class Shard:
 def _shard_bytes(provenance: Provenance, records: list[Record]) -> bytes:
     header = {"format": SHARD_FORMAT, "provenance": provenance.to_dict(), "provenance_key": provenance.key,
               "records": len(records)}
-    return (_canonical(header) + "\n" + "".join(r.to_json() + "\n" for r in records)).encode()
+    return (compact_json(header) + "\n" + "".join(r.to_json() + "\n" for r in records)).encode()
 
 
 def _shard_name(provenance: Provenance, sha256: str) -> str:
@@ -411,7 +381,7 @@ def _records(path: Path, rows: list[Any]) -> tuple[Record, ...]:
 def _parse_shard(path: Path, data: bytes) -> Shard:
     """A shard's bytes checked against its name and validated record by record; anything wrong raises
     InputError naming the file."""
-    sha = _sha256(data)
+    sha = sha256(data)
     named = SHARD_NAME.fullmatch(path.name)
     if named is None:
         raise InputError(f"{path}: not a shard name (<provenance key>-<sha256 prefix>.jsonl)")
@@ -525,7 +495,7 @@ def _settle(folder: Path, state: _Folder, manifest: Manifest) -> None:
 def init(folder: Path) -> None:
     """Create an empty corpus folder (idempotent)."""
     (folder / SHARDS).mkdir(parents=True, exist_ok=True)
-    with _locked(folder):
+    with locked(folder):
         if not (folder / MANIFEST).exists():
             write_atomic(folder / MANIFEST, Manifest({}).to_bytes())
 
@@ -540,7 +510,7 @@ def _shard_of(provenance: Provenance, records: Iterable[Record]) -> tuple[str, b
         raise ValueError(f"record {bad.to_json()} cannot be stored under provenance {provenance.key}: "
                          f"{bad.problem() or 'another provenance'}")
     data = _shard_bytes(provenance, records)
-    return _shard_name(provenance, _sha256(data)), data
+    return _shard_name(provenance, sha256(data)), data
 
 
 def _put(folder: Path, name: str, data: bytes) -> bool:
@@ -556,7 +526,7 @@ def stage_shard(folder: Path, provenance: Provenance, records: Iterable[Record])
     """Write one shard without listing it (no manifest rewrite): the next `recover` or `compact` adopts it,
     `load` refuses the folder until then. Returns its file name."""
     name, data = _shard_of(provenance, records)
-    with _locked(folder, shared=True):  # recovery (exclusive) must not remove our temp file mid-write
+    with locked(folder, shared=True):  # recovery (exclusive) must not remove our temp file mid-write
         _put(folder, name, data)
     return name
 
@@ -564,10 +534,10 @@ def stage_shard(folder: Path, provenance: Provenance, records: Iterable[Record])
 def write_shard(folder: Path, provenance: Provenance, records: Iterable[Record]) -> str:
     """Append one shard of `records` (all of `provenance`) to the corpus, listed; returns its file name."""
     name, data = _shard_of(provenance, records)
-    with _locked(folder):
+    with locked(folder):
         manifest = _read_manifest(folder)
         _put(folder, name, data)
-        entry = ShardEntry(_sha256(data), data.count(b"\n") - 1)
+        entry = ShardEntry(sha256(data), data.count(b"\n") - 1)
         write_atomic(folder / MANIFEST, Manifest({**manifest.shards, name: entry}, manifest.retired).to_bytes())
     return name
 
@@ -578,7 +548,7 @@ def recover(folder: str | os.PathLike[str], *, kernel_digest: str | None = None,
     with one line per action taken. Every shard is verified before the manifest changes."""
     folder = Path(folder)
     _require(folder)
-    with _locked(folder):
+    with locked(folder):
         state = _scan(folder, adopt=True)
         loaded = _verified(folder, state.shards, kernel_digest=kernel_digest, gpu_uuid=gpu_uuid,
                            gpu_name=gpu_name)
@@ -605,7 +575,7 @@ def compact(folder: str | os.PathLike[str]) -> tuple[int, int]:
     after it leaves a corpus that loads the same records."""
     folder = Path(folder)
     _require(folder)
-    with _locked(folder):  # one exclusive hold: a concurrent compaction cannot retire the same shards
+    with locked(folder):  # one exclusive hold: a concurrent compaction cannot retire the same shards
         state = _scan(folder, adopt=True)
         shards = state.shards
         merged = _merged(_verified(folder, shards))
@@ -622,7 +592,7 @@ def compact(folder: str | os.PathLike[str]) -> tuple[int, int]:
                 if _put(folder, name, data):
                     written.append(name)
             retired = tuple(s.name for s in shards if s.name not in merged)
-            kept = {name: ShardEntry(_sha256(data), data.count(b"\n") - 1) for name, data in merged.items()}
+            kept = {name: ShardEntry(sha256(data), data.count(b"\n") - 1) for name, data in merged.items()}
             write_atomic(folder / MANIFEST, Manifest(kept, retired + state.manifest.retired).to_bytes())
         except BaseException:
             for name in written:
@@ -677,7 +647,7 @@ def load(folder: str | os.PathLike[str], *, kernel_digest: str | None = None, gp
     deterministically."""
     folder = Path(folder)
     _require(folder)
-    with _locked(folder, shared=True):
+    with locked(folder, shared=True):
         state = _scan(folder, adopt=False)
     return _verified(folder, state.listed, kernel_digest=kernel_digest, gpu_uuid=gpu_uuid, gpu_name=gpu_name)
 

@@ -30,8 +30,9 @@ from typing import Any
 
 from ...kernels.errors import EnvironmentProblem, InputError
 from ...kernels.registry import candidates_for
+from ..common.gpu import gpu_slug
 from . import corpus, gpulock
-from .corpus import Cell, Provenance, gpu_slug
+from .corpus import Cell, Provenance
 from .sweep import (
     CellTiming,
     GpuTimer,

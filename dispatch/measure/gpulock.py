@@ -8,14 +8,13 @@ message; the pid is informative only, the flock is the lock.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
 
 from ...kernels.errors import EnvironmentProblem, InputError
-from ..common.files import naming
+from ..common.files import locked, naming
 
 LOCKS_ENV = "GEMV_DISPATCH_LOCKS"
 
@@ -39,20 +38,22 @@ def hold(gpu_uuid: str, *, wait: bool = False) -> Iterator[Path]:
     path = folder / f"{gpu_uuid}.lock"
     try:
         folder.mkdir(mode=0o1777, parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
     except OSError as err:
-        raise naming(err, path) from None
-    try:
+        raise naming(err, folder) from None
+    with contextlib.ExitStack() as stack:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fd = stack.enter_context(locked(path, wait=False))
         except BlockingIOError:
+            holder = path.read_text(errors="replace").strip() or "unknown"
             if not wait:
-                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
                 raise EnvironmentProblem(f"GPU {gpu_uuid} is being timed by another sweep (pid {holder}, lock "
                                          f"{path}); wait for it to end or pass --wait") from None
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        yield path
-    finally:
-        os.close(fd)  # releases the flock
+            fd = stack.enter_context(locked(path))
+        yield _claimed(fd, path)
+
+
+def _claimed(fd: int, path: Path) -> Path:
+    """Write this process's pid into the lock file it holds (informative only: the flock is the lock)."""
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return path

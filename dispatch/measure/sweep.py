@@ -30,11 +30,13 @@ from typing import Any, Protocol, TextIO
 
 from ...kernels import program
 from ...kernels.codebooks import CODEBOOKS, get
-from ...kernels.errors import EnvironmentProblem, InputError
+from ...kernels.errors import InputError
 from ...kernels.registry import Candidate, candidates_for
 from .. import __version__
+from ..common.contract import MODES
+from ..common.gpu import Gpu, gpu_slug, nvidia_smi
 from . import corpus, gpulock
-from .corpus import MODES, Cell, Corpus, Provenance, Record, gpu_slug, timing_parameters
+from .corpus import Cell, Corpus, Provenance, Record, timing_parameters
 from .shapes import GRID_NAME, Inventory, default_inventory_dir, load_inventories
 from .timing import (
     CupyBackend,
@@ -228,32 +230,6 @@ class ReplayTimer:
         return CellTiming({r.candidate: r.stats for r in found}, found[0].copies)
 
 
-def gpu_uuid(raw: bytes, pci_bus_id: str) -> str:
-    """The GPU's UUID in nvidia-smi's spelling, GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx, from CUDA's 16 UUID
-    bytes. CuPy hands them over as a C string, cut at the first zero byte: then nvidia-smi says, asked by PCI
-    bus id. EnvironmentProblem when neither can (the UUID keys the corpus provenance and the GPU lock)."""
-    if len(raw) == 16:
-        h = raw.hex()
-        return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
-    smi = _nvidia_smi(pci_bus_id, "uuid")
-    if smi is None or not smi[0].startswith("GPU-"):
-        raise EnvironmentProblem(f"cannot read the UUID of GPU {pci_bus_id}: CUDA gave {len(raw)} of its 16 bytes "
-                                 "and nvidia-smi did not answer")
-    return smi[0]
-
-
-def _nvidia_smi(gpu_id: str, query: str) -> list[str] | None:
-    """nvidia-smi's values for one GPU (by UUID or PCI bus id: CUDA_VISIBLE_DEVICES renumbers devices), or None."""
-    try:
-        out = subprocess.run(["nvidia-smi", f"--id={gpu_id}", f"--query-gpu={query}",
-                              "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=60,
-                             check=True).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    values = [v.strip() for v in out.strip().split(",")]
-    return values if len(values) == query.count(",") + 1 else None
-
-
 def _cuda_version(v: int) -> str:
     return f"{v // 1000}.{v % 1000 // 10}"
 
@@ -275,27 +251,27 @@ class GpuTimer:
     device once per (codebook, N, K) and reused for every M and mode: cells come grouped by geometry, so
     caching the last geometry suffices. Copies rotate past 3x the device's L2 unless the config is hot."""
 
-    def __init__(self, config: TimingConfig) -> None:
+    def __init__(self, config: TimingConfig, gpu: Gpu | None = None) -> None:
         from ...kernels import launch
 
         # Nsight Systems / Compute attach through this variable; nothing timed under them enters a corpus.
         if os.environ.get("CUDA_INJECTION64_PATH"):
             raise InputError("a CUDA profiler is attached (CUDA_INJECTION64_PATH is set); sweep without it")
-        self._cp = cp = launch.require_device()
+        gpu = gpu or Gpu.open()
+        self._cp = cp = gpu.cp
         self._launch, self.config = launch, config
-        props = cp.cuda.runtime.getDeviceProperties(0)
-        self._l2 = int(props["l2CacheSize"])
-        self.stream = cp.cuda.Stream(non_blocking=True)
+        self._l2 = gpu.l2_bytes
+        self.stream = gpu.stream
         self._backend = CupyBackend(self.stream)
         self._geometry: tuple[str, int, int] | None = None
         self._copies: list[Any] = []
-        uuid = gpu_uuid(bytes(props["uuid"]), cp.cuda.Device(0).pci_bus_id)
+        uuid = gpu.uuid
         # Application clocks: what the GPU runs at under load (current clocks read idle values here).
-        smi = _nvidia_smi(uuid, "driver_version,clocks.applications.graphics,clocks.applications.memory")
+        smi = nvidia_smi(uuid, "driver_version,clocks.applications.graphics,clocks.applications.memory")
         self._provenance = Provenance(
-            gpu_name=props["name"].decode(),
+            gpu_name=gpu.name,
             gpu_uuid=uuid,
-            sm_count=int(props["multiProcessorCount"]),
+            sm_count=gpu.sm_count,
             l2_bytes=self._l2,
             sm_clock_mhz=int(smi[1]) if smi and smi[1].isdigit() else None,
             mem_clock_mhz=int(smi[2]) if smi and smi[2].isdigit() else None,

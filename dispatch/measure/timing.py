@@ -20,9 +20,11 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 import numpy as np
+
+from ..common.contract import MODES, Mode
 
 Launch = Callable[[int], None]  # enqueue ONE launch on the harness's stream, reading weight copy #i
 Rotation = tuple[int, ...]  # the weight copies one window reads, in launch order
@@ -36,7 +38,7 @@ _RACE_SIGMAS = 3.0  # half-width of a candidate's robust range, in sigmas
 
 @dataclass(frozen=True)
 class TimingConfig:
-    mode: Literal["graph", "eager"] = "graph"
+    mode: Mode = "graph"
     cold_l2: bool = True
     window_us: float = 200.0  # each timed window lasts at least ~this long (replays R chosen adaptively)
     warmup_rounds: int = 2
@@ -47,8 +49,8 @@ class TimingConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.mode not in ("graph", "eager"):
-            raise ValueError(f"timing mode must be 'graph' or 'eager', got {self.mode!r}")
+        if self.mode not in MODES:
+            raise ValueError(f"timing mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         if not self.window_us > 0:
             raise ValueError(f"window_us must be > 0, got {self.window_us}")
         if self.warmup_rounds < 0 or self.min_rounds < 1 or self.max_rounds < self.min_rounds:

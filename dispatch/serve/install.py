@@ -20,90 +20,25 @@ to what it binds; the module's own DIGESTS and GPU_NAME equal to the certificate
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import shutil
-import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import Any
 
-from ...kernels import program
 from ...kernels.errors import InputError
-from ..common.files import fsync_dir
+from ..common.files import fsync_dir, locked
+from ..common.gpu import current_gpu, gpu_slug
 from ..common.paths import tables_dir
-from ..measure.corpus import gpu_slug
-from ..table.certify import current_gpu, read_certificate, sha256
-from ..table.generate import CERTIFICATE, FILES, HEADER, MODULE
+from ..table.bundle import FILES, Table, verify
 
 CURRENT = "current"
 PREVIOUS = "previous"
 VERSIONS = "versions"
 LOCK = ".lock"
 TEMP_PREFIX = ".tmp-"
-
-
-@dataclass(frozen=True)
-class Table:
-    """A verified table folder: its file bytes, certificate, and the module executed from the verified bytes."""
-
-    folder: Path
-    files: dict[str, bytes]
-    certificate: dict[str, Any]
-    module: types.ModuleType
-
-    @property
-    def gpu_name(self) -> str:
-        return str(self.certificate["gpu_name"])
-
-    @property
-    def level(self) -> str:
-        return str(self.certificate["level"])
-
-    @property
-    def version(self) -> str:
-        return f"{sha256(self.files[MODULE])[:16]}-{self.certificate['digest'][:8]}"
-
-
-def _module(data: bytes, name: str, where: Path) -> types.ModuleType:
-    """Execute module bytes already verified (never re-read from disk: what was checked is what runs)."""
-    module = types.ModuleType(name)
-    module.__file__ = str(where)
-    exec(compile(data, str(where), "exec"), module.__dict__)  # bytes bound by a passed certificate
-    return module
-
-
-def verify(folder: Path) -> Table:
-    """Judge a table folder (generated/<gpu-slug>/ or an installed version); InputError naming the defect."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise InputError(f"{folder}: no such table folder")
-    try:
-        cert_bytes = (folder / CERTIFICATE).read_bytes()
-    except FileNotFoundError:
-        raise InputError(f"{folder}: no {CERTIFICATE}; a table is installed only with its certificate") from None
-    cert = read_certificate(cert_bytes, str(folder / CERTIFICATE))
-    files = {CERTIFICATE: cert_bytes}
-    for name in (MODULE, HEADER):
-        try:
-            files[name] = (folder / name).read_bytes()
-        except FileNotFoundError:
-            raise InputError(f"{folder}: no {name}") from None
-        if sha256(files[name]) != cert["digests"]["artifacts"].get(name):
-            raise InputError(f"{folder / name}: its bytes differ from what the certificate binds (edited after "
-                             "generation?)")
-    if cert.get("passed") is not True:
-        raise InputError(f"{folder / CERTIFICATE}: the certificate records failed or missing checks")
-    if cert["digests"]["kernels"] != program.digest():
-        raise InputError(f"{folder}: certified for kernel sources {cert['digests']['kernels'][:12]}, these are "
-                         f"{program.digest()[:12]}: sweep, train and certify again")
-    module = _module(files[MODULE], f"gemv_dispatch_table_{cert['gpu_slug'].replace('-', '_')}", folder / MODULE)
-    bound = {k: v for k, v in cert["digests"].items() if k != "artifacts"}
-    if getattr(module, "DIGESTS", None) != bound or getattr(module, "GPU_NAME", None) != cert["gpu_name"]:
-        raise InputError(f"{folder / MODULE}: its DIGESTS or GPU_NAME differ from the certificate's")
-    return Table(folder, files, cert, module)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -157,17 +92,13 @@ class Installed:
 
 @contextlib.contextmanager
 def _locked(slot: Path) -> Iterator[None]:
-    """An exclusive, non-blocking flock: a second install fails at once instead of queueing behind the first.
-    The kernel releases it when the holder dies, so a killed install never leaves the slot locked."""
-    fd = os.open(slot / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
+    """An exclusive, non-blocking lock: a second install fails at once instead of queueing behind the first."""
+    with contextlib.ExitStack() as stack:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            stack.enter_context(locked(slot / LOCK, wait=False))
         except BlockingIOError:
             raise InputError(f"{slot}: another install or rollback is in progress; try again when it ends") from None
         yield
-    finally:
-        os.close(fd)
 
 
 def _target(slot: Path, name: str) -> str | None:

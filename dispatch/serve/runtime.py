@@ -38,7 +38,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
@@ -48,12 +48,12 @@ from ...kernels.emulate import QuantizedActivations
 from ...kernels.errors import BLOCK, InputError
 from ...kernels.layout import PackedWeights, pack
 from ...kernels.registry import Candidate, by_id
+from ..common.contract import MODES, Mode
 from ..measure.shapes import open_gguf
+from . import install
 
 SAFE_DEFAULT = "wide.s1.t128.c1"  # identity 1, valid for every (M, N, K): no split, cpt 1, no mma tile
-Mode = Literal["graph", "eager"]
 _FLOAT32 = np.dtype(np.float32)  # compared on every call: a dtype object, not a type to convert each time
-_INSTALL_MODULE = "gemv_dispatch.dispatch.serve.install"
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -71,12 +71,6 @@ class Choice:
 
 def installed_table(gpu_name: str) -> tuple[Any, str | None]:
     """(table, None) for a GPU-level certified table installed for `gpu_name`, else (None, why not)."""
-    try:
-        from . import install
-    except ModuleNotFoundError as err:
-        if err.name != _INSTALL_MODULE:  # a missing dependency inside install is a real error
-            raise
-        return None, "this build has no install stage"
     table = install.installed_table(gpu_name)
     if table is None:
         return None, f"no dispatch table is installed for {gpu_name}"
@@ -120,8 +114,8 @@ class Dispatcher:
         return choice
 
     def _resolve(self, gpu_name: str, codebook: str, m: int, n: int, k: int, mode: Mode) -> Choice:
-        if mode not in ("graph", "eager"):
-            raise InputError(f"mode must be 'graph' or 'eager', got {mode!r}")
+        if mode not in MODES:
+            raise InputError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         table = self.table(gpu_name)
         if table is None:
             return Choice(by_id(SAFE_DEFAULT), 1, "default")

@@ -26,7 +26,6 @@ policy, the device, the M set, the modes, the tool version, and each check's res
 
 from __future__ import annotations
 
-import hashlib
 import shutil
 import sys
 import time
@@ -43,13 +42,14 @@ from ...kernels.errors import BLOCK, EnvironmentProblem, InputError
 from ...kernels.layout import PackedWeights, random_planes
 from ...kernels.registry import Candidate, by_id
 from .. import __version__
-from ..learn.policy import Policy, canonical_bytes, content_digest, read_digested
-from ..measure.corpus import gpu_slug
+from ..common.contract import MODES
+from ..common.contract import SERVED_MS as M_SET
+from ..common.digests import sha256, with_digest
+from ..common.gpu import Gpu, gpu_slug
+from ..learn.policy import Policy
 from ..measure.timing import cell_seed
+from .bundle import CERT_FORMAT
 
-CERT_FORMAT = "gemv-dispatch-certificate/1"
-M_SET: tuple[int, ...] = (*range(1, 17), 31)
-MODES: tuple[str, ...] = ("graph", "eager")
 ROWS = max(M_SET)  # activation rows per K; every launch reads a subset of them
 POISON = 0x7FBADBAD  # a NaN pattern no kernel writes (GPU NaNs are the canonical 0x7FFFFFFF)
 EMULATED_COLUMNS = 16  # output columns the emulator computes per shape (see EmulatorRunner)
@@ -66,15 +66,6 @@ class Select(Protocol):
     def __call__(self, codebook: str, m: int, n: int, k: int, mode: str) -> Any:
         """An object with `.candidate` (id) and `.identity` (int)."""
         ...
-
-
-def sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def with_digest(obj: Mapping[str, Any]) -> dict[str, Any]:
-    """`obj` plus "digest": the SHA-256 of its canonical JSON without that key (detects hand edits)."""
-    return {**{k: v for k, v in obj.items() if k != "digest"}, "digest": content_digest(obj)}
 
 
 def inventories_digest(folder: Any = None) -> str:
@@ -334,17 +325,15 @@ class GpuRunner:
 
     level: Level = "gpu"
 
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, gpu: Gpu | None = None) -> None:
         from ...kernels import launch
 
         self._launch = launch
-        self.xp = cp = launch.require_device()
-        props = cp.cuda.runtime.getDeviceProperties(0)
-        raw = bytes(props["uuid"]).hex()
-        self._device = {"name": props["name"].decode(),
-                        "uuid": f"GPU-{raw[:8]}-{raw[8:12]}-{raw[12:16]}-{raw[16:20]}-{raw[20:32]}"}
-        self.arch = f"sm_{props['major']}{props['minor']}"
-        self.stream = cp.cuda.Stream(non_blocking=True)
+        gpu = gpu or Gpu.open()
+        self.xp = gpu.cp
+        self._device = gpu.identity()
+        self.arch = gpu.arch
+        self.stream = gpu.stream
         self._seed = seed
         self._weights: Any = None
         self._packed_cols: PackedWeights | None = None
@@ -425,7 +414,7 @@ class GpuRunner:
 DEVICES = ("auto", "gpu", "emulator")
 
 
-def runner_for(device: str, seed: int = 0) -> Runner:
+def runner_for(device: str, seed: int = 0, gpu: Gpu | None = None) -> Runner:
     """The runner a --device option names: "gpu" (InputError without one), "emulator", or "auto" (the GPU
     where CuPy sees one, else the emulator)."""
     if device not in DEVICES:
@@ -433,19 +422,11 @@ def runner_for(device: str, seed: int = 0) -> Runner:
     if device == "emulator":
         return EmulatorRunner(seed)
     try:
-        return GpuRunner(seed)
+        return GpuRunner(seed, gpu)
     except (InputError, EnvironmentProblem):
         if device == "gpu":
             raise
         return EmulatorRunner(seed)
-
-
-def current_gpu() -> dict[str, str] | None:
-    """{"name", "uuid"} of CUDA device 0, or None on a machine without CuPy or a usable device."""
-    try:
-        return GpuRunner().device()
-    except (InputError, EnvironmentProblem):
-        return None
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -903,19 +884,6 @@ def certify(policy: Policy, artifacts: Mapping[str, bytes], runner: Runner, *, s
         "seconds": round(seconds, 1),
     }
     return with_digest(cert)
-
-
-def certificate_bytes(cert: Mapping[str, Any]) -> bytes:
-    return canonical_bytes(cert)
-
-
-def read_certificate(data: bytes, where: str) -> dict[str, Any]:
-    """Parse certificate bytes; InputError unless they are the canonical bytes of a certificate whose digest
-    matches its content (a one-byte edit anywhere is refused)."""
-    cert = read_digested(data, where, CERT_FORMAT, "certificate", "certify")
-    if canonical_bytes(cert) != data:  # stricter than the digest: not even white space may change
-        raise InputError(f"{where}: digest mismatch: the certificate was edited after `certify` wrote it")
-    return cert
 
 
 def certified_shapes(cert: Mapping[str, Any]) -> list[Shape]:

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ...kernels.errors import InputError
-from ..serve.install import Table
+from .bundle import Table
 from .certify import (
     CHECKS,
     SHAPE_CHECKS,

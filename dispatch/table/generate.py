@@ -26,20 +26,14 @@ import jinja2
 from ...kernels import registry
 from ...kernels.errors import BLOCK, InputError
 from .. import __version__
+from ..common.contract import MODES
+from ..common.digests import sha256
+from ..common.gpu import gpu_slug
 from ..learn import features
 from ..learn.policy import CANONICAL_WIDE, Policy, canonical_kpar
-from ..measure.corpus import gpu_slug
-from .certify import (
-    certificate_bytes,
-    inventories_digest,
-    read_certificate,
-    sha256,
-)
+from .bundle import CERTIFICATE, HEADER, MODULE, certificate_bytes, read_certificate
+from .certify import inventories_digest
 
-MODULE = "dispatch_table.py"
-HEADER = "dispatch_table.h"
-CERTIFICATE = "certificate.json"
-FILES = (MODULE, HEADER, CERTIFICATE)
 FAMILIES = ("wide", "direct", "kpar")
 # The shape features the templates implement, in dispatch.features order. A policy whose trees use a feature
 # the templates do not know is refused (render) rather than rendered wrong.
@@ -104,7 +98,7 @@ def context(policy: Policy, inventories: str) -> dict[str, Any]:
     index = {c.id: i for i, c in enumerate(candidates)}
     codebooks = list(policy.codebooks)
     cb_index = {cb: i for i, cb in enumerate(codebooks)}
-    mode_index = {m: i for i, m in enumerate(features.MODES)}
+    mode_index = {m: i for i, m in enumerate(MODES)}
     source = policy.source
     digests = {"policy": policy.digest, "corpus": str(source.get("corpus_manifest_sha256")),
                "kernels": str(source.get("kernel_digest")), "inventories": inventories}
@@ -123,7 +117,7 @@ def context(policy: Policy, inventories: str) -> dict[str, Any]:
         "max_cta_threads": registry.MAX_CTA_THREADS,
         "shared_limit": registry.SHARED_MEMORY_LIMIT,
         "staged_block_bytes": registry.STAGED_BLOCK_BYTES,
-        "modes": list(features.MODES),
+        "modes": list(MODES),
         "families": list(FAMILIES),
         "identity_features": list(RENDERED_IDENTITY_FEATURES),
         "launch_features": list(RENDERED_LAUNCH_FEATURES),
