@@ -1,11 +1,12 @@
 """CPU compile check: every kernel instantiation builds for sm_90 without spills or a stack frame."""
 
+import json
 import os
 import re
 import shutil
 
 import pytest
-from gemv_dispatch.kernels import launch, program, registry
+from gemv_dispatch.kernels import digests, launch, program, registry
 from gemv_dispatch.kernels.codebooks import CODEBOOKS, IQ4_NL_KVALUES, get
 from gemv_dispatch.kernels.ptxas import compile_report, parse_report, source_name
 from gemv_dispatch.kernels.registry import instantiations
@@ -35,6 +36,13 @@ def test_every_instantiation_compiles_spill_free_for_sm90():
     assert build.cubin[:4] == b"\x7fELF"  # the assembled kernels, for bench/sass_per_block.py
     flushing = sorted({line.split()[0] for line in build.ptx.splitlines() if ".ftz" in line})
     assert not flushing, f"flush-to-zero instructions in the PTX: {flushing}"
+    # The committed code digests are this build's: a kernel change must rewrite them (kernels/digests.py).
+    committed = json.loads(digests.TABLE_PATH.read_bytes())
+    assert committed["source"] == program.digest(), "run `python -m gemv_dispatch.kernels.digests`"
+    if committed["nvcc"] != digests.nvcc_release():
+        pytest.skip(f"the code digests were made with nvcc {committed['nvcc']}, this is {digests.nvcc_release()}")
+    fresh = {name: d for name, d in digests.entry_digests(build.ptx).items() if name in set(names)}
+    assert fresh == committed["instantiations"], "stale kernels/cuda/instantiations.json: rerun kernels.digests"
 
 
 def test_both_engines_declare_the_parameters_the_launchers_pass():
