@@ -4,6 +4,7 @@ import json
 import os
 import re
 import shutil
+import subprocess
 
 import pytest
 from gemv_dispatch.kernels import digests, launch, program, registry
@@ -189,6 +190,36 @@ def test_the_codebook_enum_numbers_the_formats_as_the_registry_does():
     pairs = [item.split("=") for item in enum.group(1).split(",")]
     assert [(name.strip(), int(value)) for name, value in pairs] == [(name, i) for i, name in enumerate(CODEBOOKS)]
     assert {name: i for i, name in enumerate(CODEBOOKS)} == registry.CODEBOOK_IDS
+
+
+needs_gxx = pytest.mark.skipif(shutil.which("g++") is None and not os.environ.get("CI"),
+                               reason="g++ is not on PATH (CI requires it)")
+
+
+@needs_gxx
+def test_the_sources_traits_are_the_codebooks(tmp_path):
+    """gemv.cu's Traits, evaluated by a C++ compiler for every format, equal what kernels.codebooks says of it:
+    the facts are written once in Python and the source is checked against them field by field."""
+    source = program.source()
+    enum = re.search(r"enum Codebook \{[^}]*\};", source)
+    traits = re.search(r"template <int CB>\nstruct Traits \{.*?\n\};", source, re.S)
+    assert enum is not None and traits is not None
+    fields = ("SUPER", "WORDS", "ASYM", "HIGH", "TABLE", "HALVES", "SUB_BYTES")
+    shows = "\n".join(f'    std::printf("{name}' + " %d" * len(fields) + '\\n", '
+                      + ", ".join(f"(int)Traits<{name}>::{f}" for f in fields) + ");" for name in CODEBOOKS)
+    program_text = f"#include <cstdio>\n{enum.group(0)}\n{traits.group(0)}\nint main() {{\n{shows}\n}}\n"
+    (tmp_path / "traits.cpp").write_text(program_text)
+    subprocess.run(["g++", "-std=c++17", "-o", str(tmp_path / "traits"), str(tmp_path / "traits.cpp")], check=True)
+    out = subprocess.run([str(tmp_path / "traits")], capture_output=True, text=True, check=True).stdout
+    got = {line.split()[0]: dict(zip(fields, map(int, line.split()[1:]), strict=True)) for line in out.splitlines()}
+    want = {}
+    for name in CODEBOOKS:
+        book = get(name)
+        want[name] = {"SUPER": int(book.superblock), "WORDS": book.payload_bytes // 4, "ASYM": int(book.asymmetric),
+                      "HIGH": int(book.high_bits and not book.superblock), "TABLE": int(book.table),
+                      "HALVES": book.subscales.count // 8 if book.superblock else 1,
+                      "SUB_BYTES": dict(book.layout)["sc"] if book.superblock else 0}
+    assert got == want
 
 
 def test_the_sub_block_record_is_the_codebooks_sc_field():
