@@ -374,18 +374,26 @@ def _echo_lines(lines: list[str]) -> None:
               help="The corpus folder the policy was trained on: refused if its manifest differs.")
 @DEVICE_OPTION
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of weights, activations and samples.")
+@click.option("--carry", "carry_from", type=click.Path(path_type=Path),
+              help="A certified table folder of the same GPU model and kernels: keys where POLICY decides as it "
+              "did keep its evidence, only the other shapes are checked here (its seed is used).")
 @user_errors
-def certify_command(policy_path: Path, output: Path, corpus_folder: Path | None, device: str, seed: int) -> None:
+def certify_command(policy_path: Path, output: Path, corpus_folder: Path | None, device: str, seed: int,
+                    carry_from: Path | None) -> None:
     """Certify POLICY (docs/policy.md §7): every table shape and a seeded sample of unmeasured ones, every M in
     {1..16, 31}, both modes: grouped == serial M=1 bytes, repeat, permutation, poison, emulator equality,
     negative control, spill-free kernels. Exit 1 when a check fails (the certificate records it)."""
     from .common.files import write_atomic
     from .learn import policy
-    from .table import bundle, certify, generate
+    from .table import bundle, carry, certify, generate
 
     loaded = policy.load(policy_path)
+    previous = bundle.verify(carry_from) if carry_from is not None else None
     with certify.runner_for(device, seed) as runner:
-        cert = certify.certify(loaded, generate.render(loaded), runner, seed=seed, corpus_folder=corpus_folder)
+        if previous is not None:
+            cert = carry.carry(loaded, generate.render(loaded), previous, runner, corpus_folder=corpus_folder)
+        else:
+            cert = certify.certify(loaded, generate.render(loaded), runner, seed=seed, corpus_folder=corpus_folder)
     write_atomic(output, bundle.certificate_bytes(cert))
     click.echo(f"{output}: {'passed' if cert['passed'] else 'FAILED'} ({cert['level']}-level on "
                f"{cert['device']['name']}, {cert['keys']} keys, {cert['seconds']} s)")
