@@ -527,11 +527,20 @@ def tune_command(corpus_root: Path | None, replay: Path | None, generated_root: 
 
     log = lambda line: click.echo(line, err=True)  # noqa: E731 - progress to stderr, the summary to stdout
     if current_gpu() is None and replay is None:
-        click.echo("no GPU here: running the embedded default (replay of the committed nvidia-h200 corpus, "
-                   "emulator-level certification, reproducibility check)")
-        result = tune.embedded_default(log, seed)
-        _echo_lines(result.lines())
-        if result.reproduced is False:
+        models = tune.committed_models()
+        if not models:
+            raise InputError("no GPU here and no committed corpus to reproduce (see `gemv-dispatch paths`)")
+        click.echo(f"no GPU here: running the embedded default for {', '.join(models)} (replay of each committed "
+                   "corpus, emulator-level certification, reproducibility check against its committed table)")
+        failed = []
+        for slug in models:
+            click.echo(f"== {slug}")
+            result = tune.embedded_default(slug, log, seed)
+            _echo_lines(result.lines())
+            if result.reproduced is False:
+                failed.append(slug)
+        if failed:
+            click.echo(f"not reproduced: {', '.join(failed)}")
             sys.exit(1)
         return
     with tempfile.TemporaryDirectory(prefix="gemv-dispatch-replay-") as tmp:

@@ -27,7 +27,6 @@ from .measure.sweep import SweepPlan, Timer, run_sweep
 from .serve import install
 from .table import bundle, certify, generate
 
-DEFAULT_GPU = "nvidia-h200"  # the committed corpus and table the embedded default reproduces
 POLICY = "policy.json"
 
 
@@ -49,6 +48,7 @@ class TuneResult:
     installed: install.Installed | None
     reproduced: bool | None  # embedded default: module and header equal the committed ones (None: nothing to compare)
     mismatch: str = ""  # when not reproduced: where the regenerated policy departs from the committed one
+    committed: Path | None = None  # embedded default: the committed table it was compared with
 
     def lines(self) -> list[str]:
         """The final summary, one fact a line."""
@@ -69,7 +69,7 @@ class TuneResult:
         if self.reproduced is not None:
             out.append(f"reproducible: {'yes' if self.reproduced else 'NO'}, the regenerated module is "
                        f"{'byte-identical to' if self.reproduced else 'different from'} "
-                       f"{data_dir() / 'generated' / DEFAULT_GPU}" + (f": {self.mismatch}" if self.mismatch else ""))
+                       f"{self.committed}" + (f": {self.mismatch}" if self.mismatch else ""))
         return out
 
 
@@ -164,13 +164,19 @@ def tune(plans: Sequence[SweepPlan], corpus_root: Path, timer: Timer, runner: ce
     return TuneResult(folder, len(corpus.cells()), policy, regret, price, cert, out, installed, None)
 
 
-def embedded_default(log: Callable[[str], None] = certify._log, seed: int = 0) -> TuneResult:
-    """The CPU run: replay the committed corpus, train, certify on the emulator, render, compare with the
-    committed table. Nothing is installed."""
+def committed_models() -> list[str]:
+    """The GPU models (slugs) with a committed corpus: what the embedded default reproduces, each in turn."""
+    root = data_dir() / "corpus"
+    return sorted(p.parent.name for p in root.glob("*/manifest.json"))
+
+
+def embedded_default(slug: str, log: Callable[[str], None] = certify._log, seed: int = 0) -> TuneResult:
+    """The CPU run for one committed GPU model: replay its corpus, train, certify on the emulator, render,
+    compare with its committed table. Nothing is installed."""
     from .measure.sweep import ReplayTimer
 
-    source = load(data_dir() / "corpus" / DEFAULT_GPU)
-    committed = data_dir() / "generated" / DEFAULT_GPU
+    source = load(data_dir() / "corpus" / slug)
+    committed = data_dir() / "generated" / slug
     with tempfile.TemporaryDirectory(prefix="gemv-dispatch-tune-") as tmp:
         result = tune(replay_plans(source), Path(tmp) / "corpus", ReplayTimer(source),
                       certify.EmulatorRunner(seed), Path(tmp) / "generated", None, install_table=False, seed=seed,
@@ -183,7 +189,7 @@ def embedded_default(log: Callable[[str], None] = certify._log, seed: int = 0) -
                              for name in (bundle.MODULE, bundle.HEADER))
         mismatch = "" if reproduced in (True, None) else policy_mismatch(committed / POLICY, result.policy)
         return TuneResult(source.folder, result.cells, result.policy, result.regret, result.price_of_invariance,
-                          result.certificate, None, None, reproduced, mismatch)
+                          result.certificate, None, None, reproduced, mismatch, committed)
 
 
 def policy_mismatch(committed: Path, policy: Policy) -> str:

@@ -89,7 +89,8 @@ def test_embedded_default_reproduces_the_committed_table(monkeypatch, tmp_path):
     monkeypatch.setattr(gpu_module, "current_gpu", lambda: None)
     monkeypatch.setattr(certify.shutil, "which", lambda name: None)
     # Train once (train has tests of its own; it is deterministic): every run below gets this policy.
-    policy = tune.train_policy(data / "corpus" / tune.DEFAULT_GPU)
+    assert tune.committed_models() == ["nvidia-h200"]
+    policy = tune.train_policy(data / "corpus" / "nvidia-h200")
     monkeypatch.setattr(tune, "train_policy", lambda folder, log=None: policy)
 
     def run():
@@ -99,7 +100,7 @@ def test_embedded_default_reproduces_the_committed_table(monkeypatch, tmp_path):
     assert first.exit_code == 0, first.output
     assert "no GPU here" in first.output and "holds no table yet" in first.output
     assert "installed: nothing" in first.output
-    committed = data / "generated" / tune.DEFAULT_GPU
+    committed = data / "generated" / "nvidia-h200"
     assert not committed.exists()
     # Commit what a GPU run would have produced from the same corpus: the same policy, rendered.
     committed.mkdir(parents=True)
