@@ -193,3 +193,27 @@ def test_features_are_integers_in_declared_order(cb, m, n, kb, mode, ident):
     assert tuple(f) == features.LAUNCH_FEATURES
     assert all(type(v) is int for v in f.values())
     assert tuple(features.identity_features(cb, n, 32 * kb, 132)) == features.IDENTITY_FEATURES
+
+
+def test_codebook_names_are_case_insensitive_with_one_spelling_inside(fixture_policy):
+    """Issue 50 (3): the GGUF type name a user holds ("Q4_0") and the execution key ("q4_0") select alike, in any
+    case; an unknown name is one line listing the known ones."""
+    want = fixture_policy.select("q4_0", 4, 1024, 4096, "graph")
+    for name in ("Q4_0", "q4_0", "Q4_0".swapcase(), "q4_0".capitalize()):
+        assert fixture_policy.select(name, 4, 1024, 4096, "graph") == want
+    with pytest.raises(InputError, match=r"unknown codebook 'Q9_9'; known: Q4_0, Q4_1, .*, IQ4_XS"):
+        fixture_policy.select("Q9_9", 1, 64, 64, "graph")
+    with pytest.raises(InputError, match="not in this policy"):
+        fixture_policy.select("Q4_K", 1, 64, 256, "graph")  # known, but this policy was not trained on it
+
+
+def test_select_refuses_k_that_splits_a_super_block():
+    """Issue 50 (1f): a super-block codebook needs K a multiple of 256; a legacy one does not (control)."""
+    from policy_fixture import random_policy
+
+    policy = random_policy(31, codebooks=("q4_0", "q4_k", "q6_k"), shapes=((4096, 4096),), overlays=4, depth=3)
+    for cb, fmt in (("q4_k", "Q4_K"), ("Q6_K", "Q6_K")):
+        with pytest.raises(InputError, match=f"^K=4128 is not a multiple of 256, the super-block of {fmt}$"):
+            policy.select(cb, 1, 4096, 4128, "graph")
+        assert policy.select(cb, 1, 4096, 4096, "graph").identity >= 1
+    assert policy.select("q4_0", 1, 4096, 4128, "graph").identity >= 1
