@@ -313,7 +313,9 @@ def evaluate_command(corpus_folder: Path | None, profile: str | None, folds: int
     click.echo(evaluate.render(report.data))
 
 
-@main.command("explain")
+# A negative M, N or K ("explain q4_0 -1 4096 4096") reaches the argument, and its check, instead of reading as
+# an option: what is left of an unknown option lands among the arguments and is refused there.
+@main.command("explain", context_settings={"ignore_unknown_options": True})
 @click.argument("codebook")
 @click.argument("m", type=int)
 @click.argument("n", type=int)
@@ -333,6 +335,7 @@ def explain_command(codebook: str, m: int, n: int, k: int, mode: str, policy_pat
     from .learn.explain import explain
     from .measure.corpus import load
 
+    policy.check_arguments(codebook, m, n, k, mode)  # before minutes of loading and training
     corpus = load(_corpus_folder(corpus_folder))
     chosen = policy.load(policy_path) if policy_path is not None else train.train(corpus)[0]
     out = explain(chosen, corpus, codebook, m, n, k, mode)

@@ -215,14 +215,56 @@ _BOOKS: dict[str, Codebook] = {
 assert tuple(_BOOKS) == CODEBOOKS
 
 
-def get(name: str) -> Codebook:
-    """The codebook called `name` (case-insensitive); InputError naming the known ones otherwise."""
+# Codebook names as a user types them, in any case (the GGUF type name "Q4_K", its execution key "q4_k"): the
+# two spellings the tool keeps inside are a source format's `Codebook.name` (kernels, corpus, inventories) and
+# its execution key (policy, tables, runtime dispatch). `get` and `execution_key` are the only ways in.
+_BY_SOURCE: dict[str, str] = {name.lower(): name for name in CODEBOOKS}
+_BY_EXECUTION: dict[str, tuple[str, ...]] = {
+    key: tuple(name for name in CODEBOOKS if EXECUTION[name] == key) for key in sorted(set(EXECUTION.values()))
+}
+
+
+def _unknown(name: object) -> InputError:
     if not isinstance(name, str):
-        raise InputError(f"codebook must be a name (str), got {type(name).__name__}; known: {', '.join(CODEBOOKS)}")
-    book = _BOOKS.get(name.upper())
-    if book is None:
-        raise InputError(f"unknown codebook {name!r}; known: {', '.join(CODEBOOKS)}")
-    return book
+        return InputError(f"codebook must be a name (str), got {type(name).__name__}; known: {', '.join(CODEBOOKS)}")
+    return InputError(f"unknown codebook {name!r}; known: {', '.join(CODEBOOKS)} (in any case)")
+
+
+def get(name: str) -> Codebook:
+    """The source format called `name`, in any case ("q4_k" is Q4_K); InputError naming the known ones otherwise."""
+    source = _BY_SOURCE.get(name.lower()) if isinstance(name, str) else None
+    if source is None:
+        raise _unknown(name)
+    return _BOOKS[source]
+
+
+def execution_key(name: str) -> str:
+    """The execution codebook key (the dispatch key, e.g. "q4_k") of a source format or of an execution key, in
+    any case; InputError naming the known codebooks otherwise."""
+    if isinstance(name, str):
+        lowered = name.lower()
+        if lowered in _BY_EXECUTION:
+            return lowered
+        if lowered in _BY_SOURCE:
+            return EXECUTION[_BY_SOURCE[lowered]]
+    raise _unknown(name)
+
+
+def formats_of(name: str) -> tuple[str, ...]:
+    """The source formats that share the execution key of `name` (its aliases, itself included), in registry
+    order: a table for that key must be good for every one of them (docs/contract.md §2)."""
+    return _BY_EXECUTION[execution_key(name)]
+
+
+def k_error(name: str, k: int) -> str | None:
+    """Why K cannot hold whole GGUF blocks of codebook `name` (a super-block format needs K a multiple of 256;
+    for an execution key, of every alias's block), or None. K's other rules are `registry.shape_error`'s."""
+    formats = formats_of(name)
+    weights = max(_BOOKS[f].weights for f in formats)
+    if k % weights:
+        unit = "super-block" if weights > BLOCK else "block"
+        return f"K={k} is not a multiple of {weights}, the {unit} of {'/'.join(formats)}"
+    return None
 
 
 @dataclass(frozen=True)

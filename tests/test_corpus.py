@@ -488,3 +488,89 @@ def test_a_read_only_corpus_folder_is_one_line(tmp_path, monkeypatch):
     assert result.exit_code == 3 and result.stderr.count("\n") == 1
     assert result.stderr.startswith(f"error: {folder / SHARDS}/") and "Read-only file system" in result.stderr
     assert tree(folder) == before
+
+
+# --- the manifest is the commit point (issue 50, 1b) -----------------------------------------------------
+
+def unlisted_copy(folder: Path, records: list[Record], provenance: Provenance = PROV) -> Path:
+    """A well-formed shard of `records` dropped into shards/ without the manifest listing it."""
+    name, data = corpus._shard_of(provenance, records)
+    path = folder / SHARDS / name
+    path.write_bytes(data)
+    return path
+
+
+def test_an_unlisted_shard_never_replaces_listed_records(tmp_path):
+    """Issue 50: a well-formed shard of a listed cell and provenance, times / 10, silently replaced the cell's
+    listed records on the next sweep. Refused, naming the shard, and nothing changes."""
+    folder = build_corpus(tmp_path)
+    listed = load(folder).records
+    cell = cells()[0]
+    faster = [dataclasses.replace(r, median_us=r.median_us / 10, p5_us=r.p5_us / 10, p95_us=r.p95_us / 10,
+                                  mad_us=r.mad_us / 10) for r in fake_records(cell, PROV)]
+    forged = unlisted_copy(folder, faster)
+    before = tree(folder)
+    for write in (corpus.recover, compact):
+        with pytest.raises(InputError, match=f"{forged.name}: shard outside the manifest would replace listed "
+                                             f"records of {cell}"):
+            write(folder)
+        assert tree(folder) == before
+    forged.unlink()
+    assert load(folder).records == listed
+    # Control: the same records for a cell the manifest lacks are adopted (they add records).
+    new_cell = Cell("Q4_0", 16, 256, 512, "graph")
+    adopted = unlisted_copy(folder, fake_records(new_cell, PROV))
+    loaded, actions = corpus.recover(folder)
+    assert adopted.name in json.loads((folder / MANIFEST).read_text())["shards"]
+    assert set(listed) < set(loaded.records) and actions[0].startswith("adopted shards")
+
+
+def test_two_unlisted_shards_that_disagree_are_refused(tmp_path):
+    folder = build_corpus(tmp_path)
+    cell = Cell("Q4_0", 16, 256, 512, "graph")
+    records = fake_records(cell, PROV)
+    first = unlisted_copy(folder, records)
+    second = unlisted_copy(folder, [dataclasses.replace(records[0], median_us=records[0].median_us * 1.5,
+                                                        p95_us=records[0].p95_us * 1.5)])
+    before = tree(folder)
+    names = sorted((first.name, second.name))
+    with pytest.raises(InputError, match=f"{names[1]}: shard outside the manifest disagrees with {names[0]}"):
+        corpus.recover(folder)
+    assert tree(folder) == before
+
+
+def test_a_merged_shard_left_by_an_interrupted_compaction_is_kept_or_removed_never_refused(tmp_path):
+    """Killed after writing the merged shard, before the manifest listed it: its records are the listed ones.
+    Recovery removes it as redundant; compaction keeps it as the shard it writes anyway (not deleted under the
+    manifest that lists it)."""
+    for write in (corpus.recover, compact):
+        folder = build_corpus(tmp_path / write.__name__, compact=False)
+        records = load(folder).records
+        (merged_name, data), = corpus._merged(load(folder)).items()
+        (folder / SHARDS / merged_name).write_bytes(data)
+        write(folder)
+        assert load(folder).records == records
+        names = {p.name for p in shard_paths(folder)}
+        assert (merged_name in names) == (write is compact), names
+
+
+# --- a failing command changes nothing (issue 50, 1c) ----------------------------------------------------
+
+def test_a_deleted_manifest_is_rebuilt_only_from_shards_that_all_verify(tmp_path):
+    folder = build_corpus(tmp_path, compact=False)
+    records = load(folder).records
+    (folder / MANIFEST).unlink()
+    bad = shard_paths(folder)[2]
+    good = bad.read_bytes()
+    bad.write_bytes(good.replace(b'"median_us":', b'"median_us":1', 1))
+    before = tree(folder)
+    corpus.init(folder)  # no empty manifest over shards
+    for write in (corpus.recover, compact):
+        with pytest.raises(InputError, match=f"{bad.name}: SHA-256"):
+            write(folder)
+        assert tree(folder) == before and not (folder / MANIFEST).exists()
+    bad.write_bytes(good)  # control: with every shard sound, the manifest is rebuilt from them
+    loaded, actions = corpus.recover(folder)
+    assert loaded.records == records == load(folder).records
+    assert actions == [f"rebuilt the missing manifest from the verified shards: {len(cells())} "
+                       f"({shard_paths(folder)[0].name} … {shard_paths(folder)[-1].name})"]

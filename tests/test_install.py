@@ -230,3 +230,33 @@ def test_rollback_without_previous_is_refused(tables_made, tmp_path):
     install.install(a, tables, gpu=lambda: None)
     result = cli("install", "--rollback", "fake-gpu-9000", "--tables", str(tables))
     assert result.exit_code == 2 and "no previous table" in result.output
+
+
+@pytest.mark.parametrize("damage", ["module byte", "certificate edited", "header missing", "file replaced by a folder"])
+def test_reinstalling_a_tampered_version_repairs_it_before_it_becomes_current(damage, tables_made, tmp_path):
+    """Issue 50 (1a): `install` of a version already under versions/ compared nothing and made a tampered copy
+    current (exit 0, then the loader refused it). Now the copy is checked byte for byte and rewritten."""
+    a, b = tables_made
+    tables = tmp_path / "tables"
+    first = install.install(a, tables, gpu=lambda: None)
+    install.install(b, tables, gpu=lambda: None)
+    copy_of_a = tables / "fake-gpu-9000" / install.VERSIONS / first.version
+    if damage == "module byte":
+        tamper_module(copy_of_a)
+    elif damage == "certificate edited":
+        forge(copy_of_a, lambda c: c.update(passed=False))  # valid JSON with its own digest: only the bytes differ
+    elif damage == "header missing":
+        (copy_of_a / bundle.HEADER).unlink()
+    else:
+        (copy_of_a / bundle.MODULE).unlink()
+        (copy_of_a / bundle.MODULE).mkdir()
+    with pytest.raises(InputError):  # the damage is real: the copy as it stands does not verify
+        bundle.verify(copy_of_a)
+    install._load_version.cache_clear()
+    result = cli("install", str(a), "--tables", str(tables))
+    assert result.exit_code == 0, result.output
+    assert "repaired the installed copy of this version" in result.output
+    assert current_bytes(tables) == {name: (a / name).read_bytes() for name in bundle.FILES}
+    assert install.installed_table(FAKE_GPU, tables).table.version == first.version
+    again = cli("install", str(a), "--tables", str(tables))  # control: an intact copy is left as it is
+    assert again.exit_code == 0 and "repaired" not in again.output

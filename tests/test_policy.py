@@ -193,3 +193,71 @@ def test_features_are_integers_in_declared_order(cb, m, n, kb, mode, ident):
     assert tuple(f) == features.LAUNCH_FEATURES
     assert all(type(v) is int for v in f.values())
     assert tuple(features.identity_features(cb, n, 32 * kb, 132)) == features.IDENTITY_FEATURES
+
+
+def test_codebook_names_are_case_insensitive_with_one_spelling_inside(fixture_policy):
+    """Issue 50 (3): the GGUF type name a user holds ("Q4_0") and the execution key ("q4_0") select alike, in any
+    case; an unknown name is one line listing the known ones."""
+    want = fixture_policy.select("q4_0", 4, 1024, 4096, "graph")
+    for name in ("Q4_0", "q4_0", "Q4_0".swapcase(), "q4_0".capitalize()):
+        assert fixture_policy.select(name, 4, 1024, 4096, "graph") == want
+    with pytest.raises(InputError, match=r"unknown codebook 'Q9_9'; known: Q4_0, Q4_1, .*, IQ4_XS"):
+        fixture_policy.select("Q9_9", 1, 64, 64, "graph")
+    with pytest.raises(InputError, match="not in this policy"):
+        fixture_policy.select("Q4_K", 1, 64, 256, "graph")  # known, but this policy was not trained on it
+
+
+def test_select_refuses_k_that_splits_a_super_block():
+    """Issue 50 (1f): a super-block codebook needs K a multiple of 256; a legacy one does not (control)."""
+    from policy_fixture import random_policy
+
+    policy = random_policy(31, codebooks=("q4_0", "q4_k", "q6_k"), shapes=((4096, 4096),), overlays=4, depth=3)
+    for cb, fmt in (("q4_k", "Q4_K"), ("Q6_K", "Q6_K")):
+        with pytest.raises(InputError, match=f"^K=4128 is not a multiple of 256, the super-block of {fmt}$"):
+            policy.select(cb, 1, 4096, 4128, "graph")
+        assert policy.select(cb, 1, 4096, 4096, "graph").identity >= 1
+    assert policy.select("q4_0", 1, 4096, 4128, "graph").identity >= 1
+
+
+def whitespace_edit(data: bytes) -> bytes:
+    """The same JSON content (and digest) in other bytes: one more space of indentation on one line."""
+    edited = data.replace(b'\n "format"', b'\n  "format"', 1)
+    assert edited != data and json.loads(edited) == json.loads(data)
+    return edited
+
+
+def test_whitespace_only_edits_are_refused_by_every_reader_alike(tmp_path):
+    """Issue 50 (1d): `generate` accepted a policy.json edited in white space only (its digest still matches),
+    while the certificate reader refused the same edit. Every reader of a digested file (generate, certify and
+    explain read policies; generate, install and check read certificates) now refuses it with one message."""
+    from click.testing import CliRunner
+    from gemv_dispatch.dispatch.cli import main
+    from table_fixture import certified_folder, small_policy
+
+    table = certified_folder(tmp_path / "table", small_policy())
+    policy_path, cert_path = tmp_path / "policy.json", table / "certificate.json"
+    small_policy().save(policy_path)
+    good_policy, good_cert = policy_path.read_bytes(), cert_path.read_bytes()
+    runs = {
+        "generate": ["generate", str(policy_path), "--cert", str(cert_path), "-o", str(tmp_path / "out")],
+        "certify": ["certify", str(policy_path), "-o", str(tmp_path / "cert.json"), "--device", "emulator"],
+        "explain": ["explain", "q4_0", "1", "256", "512", "--policy", str(policy_path)],
+    }
+    for name, args in runs.items():
+        policy_path.write_bytes(whitespace_edit(good_policy))
+        res = CliRunner().invoke(main, args)
+        assert res.exit_code == 2, (name, res.output)
+        assert res.stderr == (f"error: {policy_path}: not in canonical form: the policy was edited after `train` "
+                              "wrote it\n"), (name, res.stderr)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "cert.json").exists()
+    policy_path.write_bytes(good_policy)
+    cert_path.write_bytes(whitespace_edit(good_cert))
+    for args in (runs["generate"], ["install", str(table), "--tables", str(tmp_path / "tables")],
+                 ["check", str(table), "--device", "emulator"]):
+        res = CliRunner().invoke(main, args)
+        assert res.exit_code == 2, res.output
+        assert res.stderr == (f"error: {cert_path}: not in canonical form: the certificate was edited after "
+                              "`certify` wrote it\n"), res.stderr
+    cert_path.write_bytes(good_cert)  # control: the files as written pass
+    res = CliRunner().invoke(main, runs["generate"])
+    assert res.exit_code == 0, res.output

@@ -475,3 +475,37 @@ def test_the_gpu_uuid_survives_a_zero_byte(monkeypatch):
     monkeypatch.setattr(gpu, "nvidia_smi", lambda gpu, query: None)
     with pytest.raises(EnvironmentProblem, match=r"cannot read the UUID of GPU 00000000:19:00\.0"):
         gpu.gpu_uuid(b"\x12\x34", "00000000:19:00.0")
+
+
+def test_a_failing_sweep_leaves_every_file_as_it_was(source, shapes, tmp_path):
+    """Issue 50 (1c): a sweep into a folder whose manifest was deleted and a shard corrupted exited 2 but left a
+    new, empty manifest.json behind; and a sweep whose first cell fails left an empty corpus folder."""
+    folder = build_corpus(tmp_path / "root", compact=False)
+    (folder / MANIFEST).unlink()
+    bad = sorted((folder / SHARDS).glob("*.jsonl"))[1]
+    bad.write_bytes(bad.read_bytes()[:-20])
+    before = tree(folder)
+    result = invoke(*sweep_args(source, shapes, tmp_path / "root"))
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1, result.output
+    assert bad.name in result.stderr and "truncated or altered" in result.stderr
+    assert tree(folder) == before and not (folder / MANIFEST).exists()
+
+    class Broken(ReplayTimer):
+        def measure(self, *args):
+            raise InputError("the first cell failed")
+
+    with pytest.raises(InputError, match="the first cell failed"):
+        run_sweep(parse_plan("Q4_0", "1", "graph", [shapes]), tmp_path / "fresh", Broken(load(source)))
+    assert not (tmp_path / "fresh").exists()
+
+
+def test_a_cell_listed_incomplete_is_timed_again_and_listed_at_once(source, shapes, tmp_path):
+    """The sweep's own re-timing of a cell the manifest holds incomplete replaces listed records: it lists that
+    shard itself (write_shard) rather than staging it, since recovery never lets a staged shard replace any."""
+    folder = tmp_path / SLUG
+    corpus.init(folder)
+    partial = cells()[0]
+    write_shard(folder, fake_provenance(), fake_records(partial, fake_provenance())[1:])
+    result = run_sweep(parse_plan("Q4_0,Q8_0", "1,4", "graph,eager", [shapes]), tmp_path, ReplayTimer(load(source)))
+    assert result.timed == len(cells())
+    assert load(folder).done_cells(fake_provenance().key) == set(cells())

@@ -120,6 +120,22 @@ def test_cli_explain_and_tampered_policy(fixture_folder, tmp_path):
     assert res.exit_code == 2 and "digest mismatch" in res.output
 
 
+@pytest.mark.parametrize(("args", "message"), [
+    (["q4_k", "1", "4096", "4128"], "error: K=4128 is not a multiple of 256, the super-block of Q4_K"),
+    (["q4_0", "-1", "4096", "4096"], "error: M=-1 must be an integer >= 1"),
+    (["q4_0", "1", "4096", "-32"], "error: K=-32 must be an integer >= 1"),
+    (["Q9_9", "1", "4096", "4096"], "error: unknown codebook 'Q9_9'; known: Q4_0, "),
+])
+def test_explain_refuses_bad_arguments_in_one_line_before_training(args, message, tmp_path, monkeypatch):
+    """Issue 50 (1f, 2): one line, exit 2, and before the corpus is read (no policy trained for a mistake)."""
+    from gemv_dispatch.dispatch import cli
+
+    monkeypatch.setattr(cli, "_corpus_folder", lambda folder: pytest.fail("the corpus was read first"))
+    res = CliRunner().invoke(main, ["explain", *args])
+    assert res.exit_code == 2, res.output
+    assert res.stderr.count("\n") == 1 and res.stderr.startswith(message), res.stderr
+
+
 def test_mmvq_rule_maps_onto_valid_candidates():
     assert ev.mmvq_pick(1, 4096, 4096) == "direct.s4.t32.c1"
     assert ev.mmvq_pick(8, 4096, 4096) == "direct.s2.t64.c1"

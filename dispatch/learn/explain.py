@@ -5,17 +5,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ...kernels.codebooks import CODEBOOKS, EXECUTION, get
+from ...kernels.codebooks import formats_of, get
 from ..measure.corpus import Corpus
-from .policy import Policy
+from .policy import Policy, check_arguments
 from .train import Measurements, TimeModel, serving
 
 NEIGHBOURS = 5
-
-
-def execution_key(codebook: str) -> str:
-    """A source format name (any case) or an execution key -> the execution key."""
-    return codebook.lower() if codebook.lower() in EXECUTION.values() else get(codebook).execution
 
 
 def explain(policy: Policy, corpus: Corpus, codebook: str, m: int, n: int, k: int, mode: str) -> dict[str, Any]:
@@ -25,11 +20,11 @@ def explain(policy: Policy, corpus: Corpus, codebook: str, m: int, n: int, k: in
     the pick's identity's best launch there, the cell's best and their times (µs). predicted_us: the time
     model's estimate for the pick (the measurement if this exact cell was measured); gbps: weight bytes read
     per second at that time."""
-    codebook = execution_key(codebook)
+    codebook = check_arguments(codebook, m, n, k, mode)
     choice = policy.select(codebook, m, n, k, mode)
     meas = Measurements.from_corpus(corpus)
     predicted = float(TimeModel().fit(meas).predict([(codebook, choice.candidate, m, n, k, mode)])[0])
-    book = get(next(name for name in CODEBOOKS if EXECUTION[name] == codebook))
+    book = get(formats_of(codebook)[0])
     weight_bytes = n * (k // book.weights) * book.block_bytes
 
     def distance(key: tuple[str, int, int, int, str]) -> float:

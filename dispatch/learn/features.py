@@ -12,8 +12,8 @@ share one set of properties.
 
 from __future__ import annotations
 
-from ...kernels.codebooks import CODEBOOKS, EXECUTION, get
-from ...kernels.errors import BLOCK, InputError
+from ...kernels.codebooks import EXECUTION, formats_of, get
+from ...kernels.errors import BLOCK
 from ..common.contract import MODES
 
 WAVE_OUTPUTS = 128  # outputs per CTA of the canonical wide launch; the unit of the "waves" features
@@ -32,13 +32,10 @@ def execution_codebooks() -> tuple[str, ...]:
 
 
 def codebook_features(codebook: str) -> dict[str, int]:
-    """Decode properties of an execution codebook key (e.g. "q4_0"): ints, identical for its aliases.
+    """Decode properties of an execution codebook key (e.g. "q4_0", any case): ints, identical for its aliases.
 
     Raises InputError for an unknown key."""
-    sources = [name for name in CODEBOOKS if EXECUTION[name] == codebook]
-    if not sources:
-        raise InputError(f"unknown execution codebook {codebook!r}; known: {', '.join(execution_codebooks())}")
-    book = get(sources[0])  # aliases share the execution arithmetic, hence these properties
+    book = get(formats_of(codebook)[0])  # aliases share the execution arithmetic, hence these properties
     return {"block_bytes": book.block_bytes, "asymmetric": int(book.asymmetric), "high_bits": int(book.high_bits),
             "table": int(book.name.startswith("IQ"))}
 

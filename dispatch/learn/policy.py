@@ -16,6 +16,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
+from ...kernels.codebooks import execution_key, k_error
 from ...kernels.errors import InputError
 from ...kernels.registry import BY_ID, CANDIDATES, Candidate, shape_error
 from ..common.contract import SERVED_MS
@@ -181,6 +182,21 @@ class Tree:
 # The policy
 
 
+def check_arguments(codebook: str, m: int, n: int, k: int, mode: str) -> str:
+    """The execution key of `codebook` (any case); InputError, one line naming the argument, unless (codebook, M, N,
+    K, mode) is something a policy's select answers: a known codebook, M, N, K integers >= 1, K a multiple of 32
+    and of the codebook's super-block, the planes within 32-bit indexes, a known mode."""
+    key = execution_key(codebook)
+    for name, value in (("M", m), ("N", n), ("K", k)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise InputError(f"{name}={value!r} must be an integer >= 1")
+    if reason := shape_error(m, n, k) or k_error(key, k):
+        raise InputError(reason)
+    if mode not in MODES:
+        raise InputError(f"mode {mode!r} must be one of {', '.join(MODES)}")
+    return key
+
+
 class Choice(NamedTuple):
     candidate: str
     identity: int
@@ -216,17 +232,13 @@ class Policy:
 
     # -- select (normative, docs/policy.md) ------------------------------------------------------------------------
 
-    def check(self, codebook: str, m: int, n: int, k: int, mode: str) -> None:
-        """InputError unless (codebook, M, N, K, mode) is something select answers."""
-        if codebook not in self.codebooks:
+    def check(self, codebook: str, m: int, n: int, k: int, mode: str) -> str:
+        """The execution key of `codebook` (any case, a source format or a key); InputError unless (codebook, M,
+        N, K, mode) is something select answers."""
+        key = check_arguments(codebook, m, n, k, mode)
+        if key not in self.codebooks:
             raise InputError(f"codebook {codebook!r} is not in this policy ({', '.join(self.codebooks)})")
-        for name, value in (("M", m), ("N", n), ("K", k)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise InputError(f"{name}={value!r} must be an integer >= 1")
-        if reason := shape_error(m, n, k):
-            raise InputError(reason)
-        if mode not in MODES:
-            raise InputError(f"mode {mode!r} must be one of {', '.join(MODES)}")
+        return key
 
     def identity(self, codebook: str, n: int, k: int) -> tuple[int, bool]:
         """(identity, decided by an overlay) for (codebook, N, K); arguments already checked."""
@@ -238,7 +250,7 @@ class Policy:
     def select(self, codebook: str, m: int, n: int, k: int, mode: str = "graph") -> Choice:
         """The candidate for (codebook, M, N, K, mode): total over valid arguments, and batch-invariant (the
         identity depends on (codebook, N, K) only). InputError for invalid arguments."""
-        self.check(codebook, m, n, k, mode)
+        codebook = self.check(codebook, m, n, k, mode)
         ident, overlay = self.identity(codebook, n, k)
         pick = self.launch_overlays.get((codebook, m, n, k, mode))
         if pick is not None and fits(BY_ID[pick], ident, m, n, k):

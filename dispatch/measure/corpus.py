@@ -18,9 +18,14 @@ against its bytes and validates every record as user input, so a damaged file is
 Writers that change the manifest (`write_shard`, `recover`, `compact`) hold an exclusive flock on the GPU
 folder; stagers and readers hold a shared one, so the sweep processes of several devices stage into one
 folder side by side. A crash can leave only (a) a stale temp file, (b) complete staged shards, (c) files of
-`retired` shards that compaction had not deleted yet; recovery removes (a) and (c) and adopts (b). Every
-command that changes files first reads and validates everything it needs in memory, then writes: a command
-that fails leaves every file as it was.
+`retired` shards that compaction had not deleted yet, (d) merged shards whose manifest was not written yet;
+recovery removes (a), (c) and (d) and adopts (b). Every command that changes files first reads and validates
+everything it needs in memory, then writes: a command that fails leaves every file as it was.
+
+Only the manifest's shards count: a shard outside it is adopted where it adds records, never where it would
+replace a record the manifest lists (same cell, candidate and provenance: `_adoption`), so a file dropped into
+shards/ cannot rewrite measured cells. A folder whose manifest.json is gone gets it rebuilt from its shards once every
+one verifies; nothing is written before that (`resume`, `init`).
 """
 
 from __future__ import annotations
@@ -434,9 +439,11 @@ def _read_shard(path: Path, entry: ShardEntry | None = None) -> Shard:
 class _Folder:
     manifest: Manifest
     listed: tuple[Shard, ...]
-    staged: tuple[Shard, ...]  # complete shards outside the manifest, verified: adopted by the next writer
+    staged: tuple[Shard, ...]  # complete shards outside the manifest, verified, adding records: to adopt
     temps: tuple[str, ...]  # stale temp files of interrupted writes
     retired: tuple[str, ...]  # files of compacted-away shards still present
+    redundant: tuple[str, ...] = ()  # shards outside the manifest holding only records it lists (a merge cut short)
+    rebuilt: bool = False  # manifest.json was missing: the manifest is the staged shards, once verified
 
     @property
     def shards(self) -> tuple[Shard, ...]:
@@ -445,26 +452,70 @@ class _Folder:
     @property
     def settled(self) -> bool:
         """Nothing for recovery to do."""
-        return not (self.staged or self.temps or self.retired or self.manifest.retired)
+        return not (self.staged or self.temps or self.retired or self.manifest.retired or self.redundant)
 
     def adopted(self) -> Manifest:
         return Manifest({**self.manifest.shards, **{s.name: s.entry for s in self.staged}})
 
     def actions(self) -> list[str]:
         """One line per kind of action: a resumed sweep adopts a shard per cell, thousands of them."""
+        adopted = ("rebuilt the missing manifest from the verified shards" if self.rebuilt else
+                   "adopted shards written before the manifest listed them")
         kinds = (("removed unfinished temp files", list(self.temps)), ("removed compacted shards", list(self.retired)),
-                 ("adopted shards written before the manifest listed them", [s.name for s in self.staged]))
+                 ("removed unlisted shards holding only listed records", list(self.redundant)),
+                 (adopted, [s.name for s in self.staged]))
         return [f"{what}: {names[0]}" if len(names) == 1 else f"{what}: {len(names)} ({names[0]} … {names[-1]})"
                 for what, names in kinds if names]
 
 
-def _scan(folder: Path, *, adopt: bool) -> _Folder:
-    """Read the manifest and every shard it lists (and, with `adopt`, every staged one); a lock held.
-    Without `adopt`, a shard outside the manifest is refused."""
-    manifest = _read_manifest(folder)
+def _shard_files(folder: Path) -> set[str]:
+    """Names of the shard files in folder/shards/ (temp files excluded)."""
     shards = folder / SHARDS
     names = {p.name for p in shards.iterdir()} if shards.is_dir() else set()
-    files = {n for n in names if n.endswith(".jsonl") and not n.startswith(".")}
+    return {n for n in names if n.endswith(".jsonl") and not n.startswith(".")}
+
+
+def _adoption(folder: Path, listed: tuple[Shard, ...], unlisted: list[Shard]) -> tuple[list[Shard], list[str]]:
+    """(shards to adopt, names of redundant shards) of the verified shards outside the manifest. The manifest is
+    the commit point (docs/architecture.md §5): an unlisted shard is adopted where it adds records, never where
+    it would replace listed ones. InputError, naming the shard, when one holds a record of a (cell, candidate,
+    provenance) the manifest lists that is not the listed record, or when two unlisted shards disagree on one."""
+    if not unlisted:
+        return [], []
+    listed_by_ident: dict[tuple[str, int, int, int, str, str, str], set[Record]] = {}
+    for shard in listed:
+        for r in shard.records:
+            listed_by_ident.setdefault(r.ident, set()).add(r)
+    seen: dict[tuple[str, int, int, int, str, str, str], tuple[Record, str]] = {}
+    adopt, redundant = [], []
+    for shard in unlisted:
+        path, adds = folder / SHARDS / shard.name, False
+        for r in shard.records:
+            if r.ident in listed_by_ident:
+                if r not in listed_by_ident[r.ident]:
+                    raise InputError(f"{path}: shard outside the manifest would replace listed records of "
+                                     f"{r.cell} (provenance {r.provenance}, e.g. {r.candidate}); an unlisted shard "
+                                     f"is adopted only where it adds records: move it out of {folder / SHARDS}")
+                continue
+            first, where = seen.setdefault(r.ident, (r, shard.name))
+            if first != r:
+                raise InputError(f"{path}: shard outside the manifest disagrees with {where}, also unlisted, on "
+                                 f"{r.candidate} in {r.cell}: move the one that was not written by a sweep out of "
+                                 f"{folder / SHARDS}")
+            adds = True
+        (adopt if adds else redundant).append(shard)
+    return adopt, [s.name for s in redundant]
+
+
+def _scan(folder: Path, *, adopt: bool) -> _Folder:
+    """Read the manifest and every shard it lists (and, with `adopt`, every staged one); a lock held.
+    Without `adopt`, a shard outside the manifest is refused; with it, a missing manifest is rebuilt from the
+    verified shards when the folder has its shards/ folder (`_adoption` decides what is adopted)."""
+    shards = folder / SHARDS
+    rebuilt = adopt and not (folder / MANIFEST).exists() and shards.is_dir()
+    manifest = Manifest({}) if rebuilt else _read_manifest(folder)
+    names = {p.name for p in shards.iterdir()} if shards.is_dir() else set()
+    files = _shard_files(folder)
     unlisted = sorted(files - set(manifest.shards) - set(manifest.retired))
     if unlisted and not adopt:
         raise InputError(f"{shards / unlisted[0]}: shard is not in the manifest (a sweep in progress, or one "
@@ -472,19 +523,23 @@ def _scan(folder: Path, *, adopt: bool) -> _Folder:
     absent = sorted(set(manifest.shards) - files)
     if absent:
         raise InputError(f"{shards / absent[0]}: listed in the manifest but missing")
+    listed = tuple(_read_shard(shards / n, manifest.shards[n]) for n in sorted(manifest.shards))
+    staged, redundant = _adoption(folder, listed, [_read_shard(shards / n) for n in unlisted])
     return _Folder(
         manifest,
-        tuple(_read_shard(shards / n, manifest.shards[n]) for n in sorted(manifest.shards)),
-        tuple(_read_shard(shards / n) for n in unlisted),
+        listed,
+        tuple(staged),
         tuple(sorted(n for n in names if n.startswith(".") and n.endswith(".tmp"))),
         tuple(sorted(set(manifest.retired) & files)),
+        tuple(redundant),
+        rebuilt,
     )
 
 
 def _settle(folder: Path, state: _Folder, manifest: Manifest) -> None:
-    """Write `manifest`, then delete what it no longer needs (temps, retired files); a lock held."""
+    """Write `manifest`, then delete what it no longer needs (temps, retired and redundant files); a lock held."""
     write_atomic(folder / MANIFEST, manifest.to_bytes())
-    for name in state.temps + state.retired:
+    for name in state.temps + state.retired + state.redundant:
         (folder / SHARDS / name).unlink(missing_ok=True)
 
 
@@ -493,10 +548,11 @@ def _settle(folder: Path, state: _Folder, manifest: Manifest) -> None:
 
 
 def init(folder: Path) -> None:
-    """Create an empty corpus folder (idempotent)."""
+    """Create an empty corpus folder (idempotent). Where shards/ holds shards but manifest.json is gone, no
+    empty manifest is written over them: `recover` rebuilds it once every shard is verified."""
     (folder / SHARDS).mkdir(parents=True, exist_ok=True)
     with locked(folder):
-        if not (folder / MANIFEST).exists():
+        if not (folder / MANIFEST).exists() and not _shard_files(folder):
             write_atomic(folder / MANIFEST, Manifest({}).to_bytes())
 
 
@@ -524,8 +580,11 @@ def _put(folder: Path, name: str, data: bytes) -> bool:
 
 def stage_shard(folder: Path, provenance: Provenance, records: Iterable[Record]) -> str:
     """Write one shard without listing it (no manifest rewrite): the next `recover` or `compact` adopts it,
-    `load` refuses the folder until then. Returns its file name."""
+    `load` refuses the folder until then. Returns its file name. A folder `resume` found empty is made here,
+    by the first shard, so a sweep that fails before it has a cell leaves no folder behind."""
     name, data = _shard_of(provenance, records)
+    if not (folder / MANIFEST).exists():
+        init(folder)
     with locked(folder, shared=True):  # recovery (exclusive) must not remove our temp file mid-write
         _put(folder, name, data)
     return name
@@ -557,6 +616,18 @@ def recover(folder: str | os.PathLike[str], *, kernel_digest: str | None = None,
     return loaded, state.actions()
 
 
+def resume(folder: str | os.PathLike[str], *, kernel_digest: str | None = None,
+           gpu_name: str | None = None) -> tuple[Corpus, list[str]]:
+    """What a sweep starts from: `recover` of the folder, or, where it holds no corpus yet (no manifest and no
+    shard), an empty corpus with nothing written (`stage_shard` makes the folder with the first cell)."""
+    folder = Path(folder)
+    if not (folder / MANIFEST).exists() and not (folder.is_dir() and _shard_files(folder)):
+        if folder.exists() and not folder.is_dir():
+            raise InputError(f"{folder}: not a folder, so it cannot hold a corpus")
+        return Corpus(folder, (), {}, ()), []
+    return recover(folder, kernel_digest=kernel_digest, gpu_name=gpu_name)
+
+
 def _merged(corpus: Corpus) -> dict[str, bytes]:
     """Name -> bytes of one shard per provenance holding all of its records."""
     by_key: dict[str, list[Record]] = {}
@@ -579,6 +650,8 @@ def compact(folder: str | os.PathLike[str]) -> tuple[int, int]:
         state = _scan(folder, adopt=True)
         shards = state.shards
         merged = _merged(_verified(folder, shards))
+        # A merged shard an interrupted compaction wrote is redundant now and listed again below: kept, not removed.
+        state = dataclasses.replace(state, redundant=tuple(n for n in state.redundant if n not in merged))
         if state.settled and set(merged) == {s.name for s in shards}:
             return len(shards), len(shards)
         need = COMPACTION_SPACE * sum(s.size for s in shards)

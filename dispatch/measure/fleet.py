@@ -32,7 +32,7 @@ from ...kernels.errors import EnvironmentProblem, InputError
 from ...kernels.registry import candidates_for
 from ..common.gpu import gpu_slug
 from . import corpus, gpulock
-from .corpus import Cell, Provenance
+from .corpus import Cell, Corpus, Provenance
 from .sweep import (
     CellTiming,
     GpuTimer,
@@ -176,6 +176,7 @@ class _Model:
     done: dict[str, set[Cell]]  # provenance key -> cells complete in the folder or staged by this run
     queue: collections.deque[list[Cell]]
     compact: bool  # staged or unlisted shards to merge at the end
+    existing: Corpus  # what the folder held at the start (stage_cell lists a re-timed incomplete cell at once)
     idle: list[Any] = field(default_factory=list)
 
     def todo(self, group: list[Cell]) -> list[tuple[Cell, frozenset[str]]]:
@@ -194,15 +195,15 @@ def _models(root: Path, cells: list[Cell], groups: list[list[Cell]], actors: dic
             raise EnvironmentProblem(f"the {name} GPUs of the fleet run different kernel sources: "
                                      f"{', '.join(sorted(d[:12] for d in digests))}")
         folder = root / gpu_slug(name)
-        corpus.init(folder)
-        existing, actions = corpus.recover(folder, kernel_digest=digests.pop(), gpu_name=name)
+        existing, actions = corpus.resume(folder, kernel_digest=digests.pop(), gpu_name=name)
         for action in actions:
             print(f"{folder}: {action}", file=sys.stderr)
         keys = {p.key for i in own.values() for c in cells for p in i.served[c]}
         done = {key: existing.done_cells(key) for key in keys}
         lacking = {c for c in cells if not any(all(c in done[p.key] for p in i.served[c]) for i in own.values())}
         queue = collections.deque(todo for g in groups if (todo := [c for c in g if c in lacking]))
-        models.append(_Model(name, folder, own, done, queue, len(existing.shards) != len(existing.provenances)))
+        models.append(_Model(name, folder, own, done, queue, len(existing.shards) != len(existing.provenances),
+                             existing))
     return models
 
 
@@ -276,7 +277,8 @@ def _deal(ray: ModuleType, models: list[_Model]) -> tuple[int, int]:
                 raise EnvironmentProblem(f"an actor of the {model.name} GPUs came back on a {provenance.gpu_name}")
             if cell in model.done.setdefault(provenance.key, set()):
                 continue  # whatever was retried or dealt again, a (cell, provenance) is staged once
-            records += stage_cell(model.folder, cell, provenance, timing, candidates_for(cell.m, cell.n, cell.k))
+            records += stage_cell(model.folder, cell, provenance, timing, candidates_for(cell.m, cell.n, cell.k),
+                                  model.existing)
             model.done[provenance.key].add(cell)
             timed, model.compact = timed + 1, True
         finished += len(group)

@@ -415,10 +415,15 @@ def cell_provenances(cells: Sequence[Cell], timer: Timer) -> dict[Cell, tuple[Pr
 
 
 def stage_cell(folder: Path, cell: Cell, provenance: Provenance, timing: CellTiming,
-               candidates: Sequence[Candidate]) -> int:
-    """Stage the cell's records (one per candidate) as one shard; returns their count."""
+               candidates: Sequence[Candidate], existing: Corpus) -> int:
+    """Stage the cell's records (one per candidate) as one shard; returns their count. A cell the corpus
+    (`existing`) holds incomplete under this provenance is re-timed whole: that shard is listed at once
+    (corpus.write_shard), since recovery never lets a staged shard replace listed records."""
     rows = [Record.measured(cell, c, timing.stats[c.id], timing.copies, provenance.key) for c in candidates]
-    corpus.stage_shard(folder, provenance, rows)
+    if any(r.provenance == provenance.key for r in existing.records_for(cell)):
+        corpus.write_shard(folder, provenance, rows)
+    else:
+        corpus.stage_shard(folder, provenance, rows)
     return len(rows)
 
 
@@ -435,8 +440,7 @@ def run_sweep(plan: SweepPlan, corpus_root: str | os.PathLike[str], timer: Timer
     keys = sorted({p.key for provenances in served.values() for p in provenances})
     folder = Path(corpus_root) / gpu_slug(timer.gpu_name)
     with gpulock.hold(timer.lock_key, wait=wait) if timer.lock_key else contextlib.nullcontext():
-        corpus.init(folder)
-        existing, actions = corpus.recover(folder, kernel_digest=timer.kernel_digest, gpu_name=timer.gpu_name)
+        existing, actions = corpus.resume(folder, kernel_digest=timer.kernel_digest, gpu_name=timer.gpu_name)
         for action in actions:
             print(f"{label}{folder}: {action}", file=sys.stderr)
         done = {key: existing.done_cells(key) for key in keys}
@@ -445,7 +449,8 @@ def run_sweep(plan: SweepPlan, corpus_root: str | os.PathLike[str], timer: Timer
         records = 0
         for i, (cell, provenance) in enumerate(todo, start=1):
             candidates = candidates_for(cell.m, cell.n, cell.k)
-            records += stage_cell(folder, cell, provenance, timer.measure(cell, provenance, candidates), candidates)
+            timing = timer.measure(cell, provenance, candidates)
+            records += stage_cell(folder, cell, provenance, timing, candidates, existing)
             progress.update(i, str(cell))
         if compact_at_end and (todo or len(existing.shards) != len(existing.provenances)):
             corpus.compact(folder)
@@ -475,5 +480,6 @@ def run_devices(devices: Sequence[str], argv: Sequence[str]) -> SweepResult:
     if failed:
         raise RuntimeError(f"sweep failed on {', '.join(failed)}; rerun to resume")
     for folder in sorted({f for r in results for f in r.folders}):
-        corpus.compact(Path(folder))
+        if (Path(folder) / corpus.MANIFEST).exists() or corpus.resume(folder)[0].shards:  # else nothing staged
+            corpus.compact(Path(folder))
     return SweepResult.merge(results, time.monotonic() - start)

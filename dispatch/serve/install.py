@@ -10,7 +10,9 @@ Layout of the install location (`paths.tables_dir()`, env GEMV_DISPATCH_TABLES, 
 A version folder is written under a temp name, fsynced and renamed whole, and never changed afterwards; the
 `current` and `previous` symlinks are replaced with rename (atomic), `previous` first. So a reader that
 resolves `current` always sees one complete, verified table, and an install killed at any instant leaves
-`current` at the old or the new table; the next install removes what the killed one left.
+`current` at the old or the new table; the next install removes what the killed one left. Installing a version
+that is there already compares its copy with the verified bytes first and rewrites each file that differs
+(atomically): a copy damaged or edited since is repaired before it becomes current, never made current as is.
 
 `verify` is the one place a table folder is judged (install, check, and the runtime through
 `installed_table`): certificate present, canonical and self-consistent, passed; module and header bytes equal
@@ -29,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from ...kernels.errors import InputError
-from ..common.files import fsync_dir, locked
+from ..common.files import fsync_dir, locked, write_atomic
 from ..common.gpu import current_gpu, gpu_slug
 from ..common.paths import tables_dir
 from ..table.bundle import FILES, Table, verify
@@ -127,29 +129,54 @@ def _tidy(slot: Path) -> None:
             shutil.rmtree(entry)
 
 
-def _write_version(slot: Path, table: Table) -> str:
-    """versions/<version>/ with the table's files, complete before it gets its name; returns the link target."""
+def _repair(final: Path, table: Table) -> list[str]:
+    """Make an existing versions/<version>/ hold exactly the table's bytes, each differing or missing file
+    rewritten atomically (the bytes a version folder's name stands for, so nothing a reader may hold changes
+    meaning); returns the names rewritten. A reader never saw this copy as valid: `verify` refuses it."""
+    repaired = []
+    for name in FILES:
+        path = final / name
+        try:
+            same = not path.is_symlink() and path.read_bytes() == table.files[name]
+        except (FileNotFoundError, IsADirectoryError):
+            same = False
+        if not same:
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            write_atomic(path, table.files[name])
+            repaired.append(name)
+    return repaired
+
+
+def _write_version(slot: Path, table: Table) -> tuple[str, list[str]]:
+    """versions/<version>/ with the table's files, complete before it gets its name, or, where that version is
+    installed already, its copy verified byte for byte and repaired; returns the link target and the names of
+    the files repaired."""
     versions = slot / VERSIONS
     versions.mkdir(exist_ok=True)
     final = versions / table.version
-    if not final.is_dir():
-        tmp = versions / f"{TEMP_PREFIX}{table.version}"
+    target = f"{VERSIONS}/{table.version}"
+    if final.is_symlink() or (final.exists() and not final.is_dir()):
+        final.unlink()  # nothing install writes: the version is written whole below
+    if final.is_dir():
+        return target, _repair(final, table)
+    tmp = versions / f"{TEMP_PREFIX}{table.version}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        for name in FILES:
+            fd = os.open(tmp / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            with os.fdopen(fd, "wb") as out:
+                out.write(table.files[name])
+                out.flush()
+                os.fsync(out.fileno())
+        fsync_dir(tmp)
+        os.rename(tmp, final)
+    except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        try:
-            for name in FILES:
-                fd = os.open(tmp / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-                with os.fdopen(fd, "wb") as out:
-                    out.write(table.files[name])
-                    out.flush()
-                    os.fsync(out.fileno())
-            fsync_dir(tmp)
-            os.rename(tmp, final)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        fsync_dir(versions)
-    return f"{VERSIONS}/{table.version}"
+        raise
+    fsync_dir(versions)
+    return target, []
 
 
 def install(source: Path, tables: Path | None = None,
@@ -172,7 +199,7 @@ def install(source: Path, tables: Path | None = None,
     slot.mkdir(parents=True, exist_ok=True)
     with _locked(slot):
         _tidy(slot)
-        target = _write_version(slot, table)
+        target, repaired = _write_version(slot, table)
         old = _target(slot, CURRENT)
         if old != target:
             if old is not None:
@@ -181,6 +208,9 @@ def install(source: Path, tables: Path | None = None,
         _tidy(slot)
     note = ("GPU-level certificate" if table.level == "gpu" else
             "emulator-level certificate (no GPU here): it serves no GPU until certified on one")
+    if repaired:
+        note += (f"; repaired the installed copy of this version ({', '.join(repaired)} differed from the "
+                 "certified bytes)")
     return Installed(slot, table.version, table.level, Path(old).name if old and old != target else None, note)
 
 

@@ -72,15 +72,15 @@ def verify(folder: Path) -> Table:
         raise InputError(f"{folder}: no such table folder")
     try:
         cert_bytes = (folder / CERTIFICATE).read_bytes()
-    except FileNotFoundError:
-        raise InputError(f"{folder}: no {CERTIFICATE}; a table is installed only with its certificate") from None
+    except (FileNotFoundError, IsADirectoryError):
+        raise InputError(f"{folder}: no {CERTIFICATE} file; a table is installed only with its certificate") from None
     cert = read_certificate(cert_bytes, str(folder / CERTIFICATE))
     files = {CERTIFICATE: cert_bytes}
     for name in (MODULE, HEADER):
         try:
             files[name] = (folder / name).read_bytes()
-        except FileNotFoundError:
-            raise InputError(f"{folder}: no {name}") from None
+        except (FileNotFoundError, IsADirectoryError):
+            raise InputError(f"{folder}: no {name} file") from None
         if sha256(files[name]) != cert["digests"]["artifacts"].get(name):
             raise InputError(f"{folder / name}: its bytes differ from what the certificate binds (edited after "
                              "generation?)")

@@ -37,7 +37,7 @@ from typing import Any, Literal, Protocol
 import numpy as np
 
 from ...kernels import emulate, program
-from ...kernels.codebooks import CODEBOOKS, EXECUTION, get
+from ...kernels.codebooks import formats_of, get
 from ...kernels.errors import BLOCK, EnvironmentProblem, InputError
 from ...kernels.layout import PackedWeights, random_planes
 from ...kernels.registry import Candidate, by_id
@@ -76,15 +76,6 @@ def inventories_digest(folder: Any = None) -> str:
     if not files:
         raise InputError(f"{folder or shapes_dir()}: no shape inventories (*.json)")
     return sha256("".join(f"{p.name}\0{sha256(p.read_bytes())}\n" for p in files).encode())
-
-
-def formats_of(codebook: str) -> tuple[str, ...]:
-    """The source formats whose execution key is `codebook`: a table must be good for every alias (§2)."""
-    found = tuple(name for name in CODEBOOKS if EXECUTION[name] == codebook)
-    if not found:
-        known = ", ".join(sorted(set(EXECUTION.values())))
-        raise InputError(f"unknown execution codebook {codebook!r}; known: {known}")
-    return found
 
 
 # ---------------------------------------------------------------------------------------------------------
