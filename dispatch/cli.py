@@ -203,24 +203,28 @@ def corpus_group() -> None:
 @user_errors
 def corpus_check(folder: Path, as_json: bool) -> None:
     """Verify FOLDER (e.g. corpus/nvidia-h200): every shard's SHA-256 against the manifest, no unlisted or
-    missing shard, well-formed records, one GPU model and kernel source; print the counts."""
+    missing shard, well-formed records, one GPU model; print the counts, and how many records are stale (timed
+    with code the kernels no longer run: a sweep re-times those candidates, training leaves them out)."""
     from .measure.corpus import load
 
     loaded = load(folder)
+    current = set(loaded.current)
     provenances = {
         key: {"gpu_name": p.gpu_name, "gpu_uuid": p.gpu_uuid, "kernel_digest": p.kernel_digest,
-              "records": sum(r.provenance == key for r in loaded.records)}
+              "records": sum(r.provenance == key for r in loaded.records),
+              "stale": sum(r.provenance == key and r not in current for r in loaded.records)}
         for key, p in loaded.provenances.items()
     }
     report = {"folder": str(folder), "shards": len(loaded.shards), "records": len(loaded.records),
-              "cells": len(loaded.cells()), "provenances": provenances}
+              "stale": loaded.stale, "cells": len(loaded.cells()), "provenances": provenances}
     if as_json:
         click.echo(json.dumps(report, indent=1, sort_keys=True))
         return
-    click.echo(f"{folder}: ok, {report['shards']} shards, {report['records']} records, {report['cells']} cells")
+    click.echo(f"{folder}: ok, {report['shards']} shards, {report['records']} records ({report['stale']} stale), "
+               f"{report['cells']} cells")
     for key, p in provenances.items():
         click.echo(f"  {key}: {p['gpu_name']} {p['gpu_uuid']}, kernels {p['kernel_digest'][:12]}, "
-                   f"{p['records']} records")
+                   f"{p['records']} records ({p['stale']} stale)")
 
 
 @corpus_group.command("compact")
@@ -266,10 +270,8 @@ PROFILE_OPTION = click.option("--profile", help="M profile as M:WEIGHT pairs, e.
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, path_type=Path),
               help="Policy file to write (canonical JSON).")
 @PROFILE_OPTION
-@click.option("--force", is_flag=True, help="Train on a corpus of other kernel sources (the table cannot be "
-              "certified).")
 @user_errors
-def train_command(corpus_folder: Path | None, output: Path, profile: str | None, force: bool) -> None:
+def train_command(corpus_folder: Path | None, output: Path, profile: str | None) -> None:
     """Learn a dispatch policy from CORPUS_FOLDER [default: the committed corpus]: one identity per
     (codebook, N, K) over the M profile, a decision-tree fallback for every shape, exact overlays.
     Same corpus and options give the same bytes."""
@@ -277,7 +279,7 @@ def train_command(corpus_folder: Path | None, output: Path, profile: str | None,
     from .measure.corpus import load
 
     options = train.TrainOptions(profile=_profile(profile))
-    policy, notes = train.train(load(_corpus_folder(corpus_folder)), options, force=force)
+    policy, notes = train.train(load(_corpus_folder(corpus_folder)), options)
     for note in notes:
         click.echo(f"warning: {note}", err=True)
     policy.save(output)
@@ -292,10 +294,9 @@ def train_command(corpus_folder: Path | None, output: Path, profile: str | None,
 @click.option("--json", "as_json", is_flag=True, help="Print the whole report as one JSON object.")
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), help="Write the regret CDF here "
               "(needs the `plot` extra: matplotlib).")
-@click.option("--force", is_flag=True, help="Evaluate a corpus of other kernel sources.")
 @user_errors
 def evaluate_command(corpus_folder: Path | None, profile: str | None, folds: int, as_json: bool,
-                     plot: Path | None, force: bool) -> None:
+                     plot: Path | None) -> None:
     """Regret against the per-cell oracle: the policy, its fallback under grouped CV and on the sealed
     family hold-out, best single candidate, an MMVQ-style rule, and the price of invariance."""
     from .learn import evaluate, train
@@ -304,7 +305,7 @@ def evaluate_command(corpus_folder: Path | None, profile: str | None, folds: int
     if plot is not None:
         evaluate.require_matplotlib()  # fail before minutes of fitting, not after
     report = evaluate.evaluate(load(_corpus_folder(corpus_folder)), train.TrainOptions(profile=_profile(profile)),
-                               folds=folds, force=force)
+                               folds=folds)
     if plot is not None:
         evaluate.plot_cdf(report, plot)
     if as_json:

@@ -117,19 +117,37 @@ def table() -> Mapping[str, str]:
     return data["instantiations"]
 
 
-def launch_facts(candidate: Candidate, codebook: str, m: int, n: int, k: int) -> dict[str, object]:
-    """What a launch of `candidate` runs for a cell: its kernel's code digest and the registry's launch facts."""
+def launch_facts(candidate: Candidate, codebook: str, m: int, n: int, k: int) -> tuple[object, ...]:
+    """What a launch of `candidate` runs for a cell: the candidate, its kernel and that kernel's code digest, and
+    the registry's launch facts (grid, block, dynamic shared memory, workspace bytes)."""
     name = candidate.kernel_name(codebook, m)
     grid, block = candidate.launch_geometry(m, n, k)
-    return {"candidate": candidate.id, "kernel": name, "code": table()[name], "grid": list(grid),
-            "block": list(block), "shared": candidate.shared_bytes(m, k, codebook),
-            "workspace": candidate.workspace_bytes(m, n, k)}
+    return (candidate.id, name, table()[name], grid, block, candidate.shared_bytes(m, k, codebook),
+            candidate.workspace_bytes(m, n, k))
+
+
+# Shapes on which `code_digest` records every candidate's launch facts, for every codebook and M of the served set:
+# small and large N, short and long K, a super-block multiple throughout.
+PROBE_SHAPES = ((1, 256), (1000, 4096), (4096, 4096), (27648, 5120), (5120, 27648), (151936, 4096))
+PROBE_MS = (1, 2, 4, 8, 16, 31)
+
+
+@cache
+def code_digest() -> str:
+    """SHA-256 of what the kernels run: every instantiation's code and the launch facts of every candidate on
+    the probe shapes. A policy and its certificate bind it, so a table is refused once the code it was timed
+    and checked with changed, and stays valid across edits that change no code (comments, other files)."""
+    from .codebooks import CODEBOOKS
+    from .registry import CANDIDATES
+
+    launches = [launch_facts(c, cb, m, n, k) for cb in CODEBOOKS for m in PROBE_MS for n, k in PROBE_SHAPES
+                for c in CANDIDATES if c.valid(m, n, k)]
+    return hashlib.sha256(repr((sorted(table().items()), launches)).encode()).hexdigest()
 
 
 def launch_digest(candidate: Candidate, codebook: str, m: int, n: int, k: int) -> str:
     """The digest a corpus record of `candidate` in cell (codebook, M, N, K) carries (DIGEST_HEX hex digits)."""
-    facts = json.dumps(launch_facts(candidate, codebook, m, n, k), sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(facts.encode()).hexdigest()[:DIGEST_HEX]
+    return hashlib.sha256(repr(launch_facts(candidate, codebook, m, n, k)).encode()).hexdigest()[:DIGEST_HEX]
 
 
 def main(argv: list[str] | None = None) -> int:

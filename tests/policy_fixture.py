@@ -9,7 +9,7 @@ import numpy as np
 from gemv_dispatch.dispatch import __version__
 from gemv_dispatch.dispatch.learn.features import IDENTITY_FEATURES, LAUNCH_FEATURES, identity_features, launch_features
 from gemv_dispatch.dispatch.learn.policy import DEFAULT_PROFILE, IDENTITIES, Policy, Tree, canonical
-from gemv_dispatch.kernels import program
+from gemv_dispatch.kernels import digests, program
 from gemv_dispatch.kernels.registry import CANDIDATES
 
 FAKE_GPU = "Fake GPU 9000"  # tests/corpus_fixture.py's GPU
@@ -72,7 +72,8 @@ def random_policy(seed: int, codebooks: tuple[str, ...] = ("iq4_nl", "q4_0", "q4
         m = int(rng.choice([1, 2, 4, 5, 16, 31]))
         launch_overlays[(cb, m, n, k, str(rng.choice(MODES)))] = str(rng.choice([c.id for c in CANDIDATES]))
     source = {"corpus": "fake-gpu-9000", "corpus_manifest_sha256": corpus_sha256, "gpu_name": gpu_name,
-              "sm_count": SM_COUNT, "kernel_digest": program.digest(), "tool_version": __version__}
+              "sm_count": SM_COUNT, "kernel_digest": program.digest(), "code_digest": digests.code_digest(),
+              "tool_version": __version__}
     options = {"profile": {str(m): w for m, w in DEFAULT_PROFILE.items()}, "noise_rel": 0.02}
     policy = Policy(source, options, tuple(sorted(codebooks)), identity_tree, launch_tree, identity_overlays,
                     launch_overlays, tuple(sorted((cb, n, k) for cb, n, k in keys)))

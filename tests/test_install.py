@@ -99,7 +99,7 @@ BAD = {
     "tampered module": (tamper_module, "bytes differ from what the certificate binds"),
     "tampered certificate": (tamper_certificate, "digest mismatch|not a JSON certificate file"),
     "missing certificate": (lambda f: (f / bundle.CERTIFICATE).unlink(), "no certificate.json"),
-    "other kernels": (lambda f: forge(f, lambda c: c["digests"].update(kernels="0" * 64)), "kernel sources"),
+    "other kernel code": (lambda f: forge(f, lambda c: c["digests"].update(code="0" * 64)), "kernel code 000000"),
     "failed certificate": (lambda f: forge(f, lambda c: c.update(passed=False)), "failed or missing checks"),
     "module digests differ": (lambda f: forge(f, lambda c: c["digests"].update(policy="0" * 64)),
                               "DIGESTS or GPU_NAME differ"),

@@ -44,6 +44,7 @@ from gemv_dispatch.dispatch.measure.sweep import (
 from gemv_dispatch.dispatch.measure.timing import TimingConfig
 from gemv_dispatch.kernels.codebooks import CODEBOOKS, LEGACY
 from gemv_dispatch.kernels.errors import EnvironmentProblem, InputError
+from gemv_dispatch.kernels.registry import BY_ID
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -196,13 +197,40 @@ def test_replay_of_a_corpus_of_several_gpus_reproduces_it(tmp_path):
     assert tree(tmp_path / "again" / SLUG) == tree(folder)
 
 
-def test_sweep_refuses_a_folder_measured_with_other_kernel_sources(source, shapes, tmp_path):
-    old = fake_provenance(kernel_digest="0" * 64)
-    folder = build_corpus(tmp_path, provenance=old)
-    result = invoke(*sweep_args(source, shapes, tmp_path))
-    assert result.exit_code == 2
-    (shard,) = (folder / "shards").glob("*.jsonl")
-    assert shard.name in result.stderr and "kernel_digest" in result.stderr
+def test_a_code_change_re_times_only_the_candidates_it_touches(source, shapes, tmp_path, monkeypatch):
+    """After a change of the code some candidates run (here: every kernel instantiation only one family
+    launches), a sweep times just those candidates, in every cell that has them, and keeps the rest; their old
+    records stay as stale; a policy trained before the change is refused."""
+    from gemv_dispatch.dispatch.learn.train import train
+    from gemv_dispatch.dispatch.table.certify import check_policy
+    from gemv_dispatch.kernels import digests
+    from gemv_dispatch.kernels.registry import CANDIDATES
+
+    plan = parse_plan("Q4_0,Q8_0", "1,4", "graph,eager", [shapes])
+    first = run_sweep(plan, tmp_path, ReplayTimer(load(source)))
+    folder = tmp_path / SLUG
+    before, _ = train(load(folder))
+    names = {c.family: set() for c in CANDIDATES}
+    for c in CANDIDATES:
+        names[c.family] |= {c.kernel_name(cb, m) for cb in ("Q4_0", "Q8_0") for m in (1, 4)}
+    family = next(f for f in sorted(names) if names[f] - set().union(*(v for g, v in names.items() if g != f)))
+    touched = names[family] - set().union(*(v for g, v in names.items() if g != family))
+    expected = sum(BY_ID[r.candidate].kernel_name(r.codebook, r.m) in touched for r in load(folder).records)
+    assert touched and 0 < expected < first.records
+    changed = {name: "f" * 64 if name in touched else code for name, code in digests.table().items()}
+    monkeypatch.setattr(digests, "table", lambda: changed)
+    monkeypatch.setattr(digests, "code_digest", lambda: "e" * 64)
+    timer, timed = ReplayTimer(load(source)), []
+    measure = timer.measure
+    monkeypatch.setattr(timer, "measure", lambda cell, p, cands: timed.extend(cands) or measure(cell, p, cands))
+    second = run_sweep(plan, tmp_path, timer)
+    assert {c.family for c in timed} == {family} and len(timed) == second.records == expected
+    after = load(folder)
+    assert after.stale == expected and len(after.current) == first.records
+    assert all(r.candidate in {c.id for c in timed} for r in after.records if r not in set(after.current))
+    assert run_sweep(plan, tmp_path, timer).records == 0  # nothing left to time
+    with pytest.raises(InputError, match="trained for kernel code"):
+        check_policy(before)
 
 
 # --- interruption and devices (subprocesses) -------------------------------------------------------------
@@ -214,7 +242,7 @@ def cli(*args: str, **kwargs: object) -> subprocess.Popen:
 
 def shard_files(folder: Path) -> int:
     """Complete shards, listed or staged (a sweep lists its staged shards at its end)."""
-    return len(list((folder / SHARDS).glob("*.jsonl")))
+    return len(list((folder / SHARDS).glob("*.jsonl.gz")))
 
 
 def test_sigkill_mid_sweep_then_rerun_loses_and_duplicates_nothing(source, shapes, clean_sweep, tmp_path):
@@ -482,7 +510,7 @@ def test_a_failing_sweep_leaves_every_file_as_it_was(source, shapes, tmp_path):
     new, empty manifest.json behind; and a sweep whose first cell fails left an empty corpus folder."""
     folder = build_corpus(tmp_path / "root", compact=False)
     (folder / MANIFEST).unlink()
-    bad = sorted((folder / SHARDS).glob("*.jsonl"))[1]
+    bad = sorted((folder / SHARDS).glob("*.jsonl.gz"))[1]
     bad.write_bytes(bad.read_bytes()[:-20])
     before = tree(folder)
     result = invoke(*sweep_args(source, shapes, tmp_path / "root"))

@@ -24,6 +24,7 @@ from gemv_dispatch.dispatch.learn.train import (
 )
 from gemv_dispatch.dispatch.measure.corpus import load
 from gemv_dispatch.kernels.errors import InputError
+from gemv_dispatch.kernels.registry import BY_ID
 
 COMMITTED = Path(__file__).resolve().parents[1] / "corpus" / "nvidia-h200"
 
@@ -33,12 +34,26 @@ def fixture_folder(tmp_path_factory) -> Path:
     return build_corpus(tmp_path_factory.mktemp("corpus"))
 
 
-def test_refuses_another_kernel_digest_unless_forced(tmp_path):
-    folder = build_corpus(tmp_path, fake_provenance(kernel_digest="0" * 64))
-    with pytest.raises(InputError, match="kernel sources 000000000000"):
+def test_stale_records_are_left_out_and_a_corpus_of_only_stale_ones_is_refused(tmp_path, monkeypatch):
+    """Training uses only records of code the kernels still run, says how many it left out, and refuses a corpus
+    without any (issue 53: stale records are never used)."""
+    from gemv_dispatch.kernels import digests
+
+    folder = build_corpus(tmp_path)
+    _, notes = train(load(folder))
+    assert notes == []
+    table = digests.table()
+    first = load(folder).records[0]
+    used = BY_ID[first.candidate].kernel_name(first.codebook, first.m)
+    monkeypatch.setattr(digests, "table", lambda: dict(table, **{used: "0" * 64}))
+    monkeypatch.setattr(digests, "code_digest", lambda: "e" * 64)
+    loaded = load(folder)
+    assert 0 < loaded.stale < len(loaded.records)
+    _, notes = train(loaded)
+    assert f"{loaded.stale} of {len(loaded.records)} records" in notes[0] and "left out" in notes[0]
+    monkeypatch.setattr(digests, "table", lambda: dict.fromkeys(table, "0" * 64))
+    with pytest.raises(InputError, match=r"no record of the kernels' current code \(\d+ stale"):
         train(load(folder))
-    policy, notes = train(load(folder), force=True)
-    assert policy.codebooks == ("q4_0", "q8_0") and "cannot be certified" in notes[0]
 
 
 def test_refuses_a_partial_corpus(tmp_path):

@@ -134,14 +134,14 @@ class Report:
 
 
 def evaluate(corpus: Corpus, options: TrainOptions | None = None, inventories: list[Inventory] | None = None,
-             folds: int = FOLDS, force: bool = False) -> Report:
+             folds: int = FOLDS) -> Report:
     """Fit and score every method of the module docstring on `corpus`.
 
     inventories default to the shipped model inventories (they name the hold-out families' geometries)."""
     from sklearn.model_selection import GroupKFold
 
     options = options or TrainOptions()
-    check_corpus(corpus, force)
+    check_corpus(corpus)
     meas = Measurements.from_corpus(corpus)
     held = holdout_geometries(inventories if inventories is not None else load_inventories(_shapes()))
     measured = {(n, k) for _, n, k in meas.geometries()}

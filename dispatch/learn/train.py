@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from ...kernels import program
+from ...kernels import digests, program
 from ...kernels.codebooks import get
 from ...kernels.errors import InputError
 from ...kernels.registry import BY_ID, CANDIDATES, Candidate, mma_row_tiles, row_tile
@@ -85,15 +85,17 @@ class Measurements:
 
     @classmethod
     def from_corpus(cls, corpus: Corpus) -> Measurements:
-        """InputError for an empty corpus or provenances of different SM counts."""
-        if not corpus.records:
-            raise InputError(f"{corpus.folder}: the corpus holds no records (nothing to train on)")
+        """Only the records of code the kernels still run (`Corpus.current`). InputError for a corpus without
+        one, or provenances of different SM counts."""
+        if not corpus.current:
+            raise InputError(f"{corpus.folder}: the corpus holds no record of the kernels' current code "
+                             f"({corpus.stale} stale): sweep again (only what changed is re-timed)")
         provenances = list(corpus.provenances.values())
         sms = {p.sm_count for p in provenances}
         if len(sms) != 1:
             raise InputError(f"{corpus.folder}: provenances disagree on the SM count ({sorted(sms)})")
         sums: dict[tuple[LaunchKey, str, str], list[float]] = {}
-        for r in corpus.records:  # per (cell, candidate, source format): the mean over provenances
+        for r in corpus.current:  # per (cell, candidate, source format): the mean over provenances
             key = (get(r.codebook).execution, r.m, r.n, r.k, r.mode)
             sums.setdefault((key, r.candidate, r.codebook), []).append(r.median_us)
         times: dict[LaunchKey, dict[str, float]] = {}
@@ -103,8 +105,8 @@ class Measurements:
         manifest = Path(corpus.folder) / MANIFEST
         first = provenances[0]
         source = {"corpus": Path(corpus.folder).name, "corpus_manifest_sha256": sha256(manifest.read_bytes()),
-                  "gpu_name": first.gpu_name, "sm_count": first.sm_count, "kernel_digest": first.kernel_digest,
-                  "tool_version": __version__}
+                  "gpu_name": first.gpu_name, "sm_count": first.sm_count, "kernel_digest": program.digest(),
+                  "code_digest": digests.code_digest(), "tool_version": __version__}
         noise = max(float(p.timing.get("noise_rel", 0.02)) for p in provenances)
         return cls(times, noise, first.sm_count, source)
 
@@ -494,23 +496,22 @@ def _sklearn_version() -> str:
     return sklearn.__version__
 
 
-def check_corpus(corpus: Corpus, force: bool) -> list[str]:
-    """Refuse (InputError) a corpus the installed kernels cannot certify, unless `force`; return warnings.
-
-    Also refuses a corpus with no record, and one where a codebook has no measured cell in some mode or M
-    that other codebooks have (a partial corpus would train a table blind for that codebook)."""
+def check_corpus(corpus: Corpus) -> list[str]:
+    """Refuse (InputError) a corpus with no record of the kernels' current code, and one where a codebook has
+    no current cell in some mode or M that other codebooks have (a partial corpus would train a table blind
+    for that codebook); return warnings (stale records left out)."""
     if not corpus.records:
         raise InputError(f"{corpus.folder}: the corpus holds no records (nothing to train on)")
+    current = corpus.current
+    if not current:
+        raise InputError(f"{corpus.folder}: the corpus holds no record of the kernels' current code "
+                         f"({corpus.stale} stale records): sweep again (only what changed is re-timed)")
     notes = []
-    digests = sorted({p.kernel_digest for p in corpus.provenances.values()})
-    if digests != [program.digest()]:
-        msg = (f"{corpus.folder}: measured with kernel sources {digests[0][:12]}, the installed kernels are "
-               f"{program.digest()[:12]}")
-        if not force:
-            raise InputError(msg + " (re-sweep, or --force to train a table that cannot be certified)")
-        notes.append(msg + ": --force given, the table cannot be certified")
+    if corpus.stale:
+        notes.append(f"{corpus.stale} of {len(corpus.records)} records were timed with code the kernels no longer "
+                     "run (stale): left out")
     slices: dict[str, set[tuple[int, str]]] = {}
-    for r in corpus.records:
+    for r in current:
         slices.setdefault(get(r.codebook).execution, set()).add((r.m, r.mode))
     every = set().union(*slices.values())
     for cb, have in sorted(slices.items()):
@@ -520,9 +521,9 @@ def check_corpus(corpus: Corpus, force: bool) -> list[str]:
     return notes
 
 
-def train(corpus: Corpus, options: TrainOptions | None = None, *, force: bool = False) -> tuple[Policy, list[str]]:
+def train(corpus: Corpus, options: TrainOptions | None = None) -> tuple[Policy, list[str]]:
     """The policy of a whole corpus and the warnings to show; see `check_corpus` for what is refused."""
-    notes = check_corpus(corpus, force)
+    notes = check_corpus(corpus)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # sklearn's thread-pool notices are not the user's concern
         return fit_policy(Measurements.from_corpus(corpus), options), notes

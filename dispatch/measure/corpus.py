@@ -1,13 +1,19 @@
 """The measured corpus on disk (docs/architecture.md §5): one folder per GPU model, append-only shards, a manifest.
 
     corpus/<gpu-slug>/manifest.json     {"format", "shards": {name: {"sha256", "records"}}, "retired": [...]}
-    corpus/<gpu-slug>/shards/<key>-<sha>.jsonl
+    corpus/<gpu-slug>/shards/<key>-<sha>.jsonl.gz    gzip of the text:
         line 1:  {"format", "provenance": {...}, "provenance_key", "records": count}
         then:    one Record per line, sorted, canonical JSON (sorted keys, no spaces)
 
-A shard's name is its provenance key and the first 16 hex digits of its own SHA-256, so the same content
-always gets the same name, a shard is never rewritten, and a shard outside the manifest can still be checked
-against what its name promises. The manifest is the commit point: `load` reads only what it lists and
+A shard's name is its provenance key and the first 16 hex digits of the SHA-256 of its text (the manifest holds
+the whole digest), so the same records always get the same name whatever zlib compressed them, a shard is never
+rewritten, and a shard outside the manifest can still be checked against what its name promises. Shards are
+compressed (about 8x) because corpora are committed and shipped with the package.
+
+Every record carries the code digest of what it timed (kernels.digests.launch_digest: the kernel
+instantiation's PTX and the launch facts). A folder may hold records of several kernel sources: a record is
+*current* while its digest is the kernels' today, and only current records count as measured (a sweep re-times
+the others) or train a policy. The manifest is the commit point: `load` reads only what it lists and
 refuses any other shard. Every file is written atomically (temp file in the same folder, fsync, rename,
 fsync the folder).
 
@@ -31,6 +37,7 @@ one verifies; nothing is written before that (`resume`, `init`).
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import itertools
 import json
 import math
@@ -46,6 +53,7 @@ from pathlib import Path
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from ...kernels.codebooks import CODEBOOKS
+from ...kernels.digests import DIGEST_HEX, launch_digest
 from ...kernels.errors import BLOCK, EnvironmentProblem, InputError
 from ...kernels.registry import BY_ID, Candidate, candidates_for
 from ..common.contract import MODES
@@ -53,14 +61,18 @@ from ..common.digests import canonical_bytes, compact_json, sha256
 from ..common.files import locked, write_atomic
 from .timing import Stats, TimingConfig
 
-SHARD_FORMAT = "gemv-dispatch-shard/1"
-MANIFEST_FORMAT = "gemv-dispatch-corpus/1"
+SHARD_FORMAT = "gemv-dispatch-shard/2"
+MANIFEST_FORMAT = "gemv-dispatch-corpus/2"
+LEGACY_FORMATS = ("gemv-dispatch-shard/1", "gemv-dispatch-corpus/1")  # before code digests: migrate
 MANIFEST = "manifest.json"
 SHARDS = "shards"
 # Read-outs that drift between runs on the same device; they are recorded but kept out of the key, so a
 # resumed sweep on the same GPU, sources and timing parameters still matches its earlier cells.
 VOLATILE = ("sm_clock_mhz", "mem_clock_mhz")
-SHARD_NAME = re.compile(r"([0-9a-f]{16})-([0-9a-f]{16})\.jsonl")
+SHARD_SUFFIX = ".jsonl.gz"
+SHARD_NAME = re.compile(r"([0-9a-f]{16})-([0-9a-f]{16})\.jsonl\.gz")
+MIGRATE = "python tools/migrate_corpus.py FOLDER"
+_CODE = re.compile(f"[0-9a-f]{{{DIGEST_HEX}}}")
 COMPACTION_SPACE = 2  # free space compaction asks for, in multiples of the shards' size (new + margin)
 
 
@@ -206,12 +218,14 @@ class Record:
     dropped: bool
     copies: int  # weight copies rotated through (1 = hot L2)
     provenance: str  # Provenance.key of the shard header
+    code: str  # kernels.digests.launch_digest of the launch timed: current while the kernels' is the same
 
     @classmethod
     def measured(cls, cell: Cell, candidate: Candidate, stats: Stats, copies: int, provenance: str) -> Record:
         return cls(cell.codebook, cell.m, cell.n, cell.k, cell.mode, candidate.id, candidate.family,
                    candidate.identity(cell.k), stats.median_us, stats.p5_us, stats.p95_us, stats.mad_us,
-                   stats.n, stats.replays, stats.dropped, copies, provenance)
+                   stats.n, stats.replays, stats.dropped, copies, provenance,
+                   launch_digest(candidate, cell.codebook, cell.m, cell.n, cell.k))
 
     @property
     def cell(self) -> Cell:
@@ -223,10 +237,10 @@ class Record:
                      self.dropped)
 
     @property
-    def ident(self) -> tuple[str, int, int, int, str, str, str]:
-        """What makes two records duplicates: cell, candidate and provenance, flat so that it sorts fast (in
-        the order of (Cell, candidate, provenance))."""
-        return self.codebook, self.m, self.n, self.k, self.mode, self.candidate, self.provenance
+    def ident(self) -> tuple[str, int, int, int, str, str, str, str]:
+        """What makes two records duplicates: cell, candidate, provenance and code, flat so that it sorts fast
+        (in the order of (Cell, candidate, provenance, code)): a re-timing after a code change adds a record."""
+        return self.codebook, self.m, self.n, self.k, self.mode, self.candidate, self.provenance, self.code
 
     def to_json(self) -> str:
         # Plain field values, all JSON scalars: dataclasses.asdict's deep copy would cost more than the dump.
@@ -254,6 +268,8 @@ class Record:
             return f"mad_us must be finite and >= 0, got {self.mad_us}"
         if min(self.samples, self.replays, self.copies) < 1:
             return f"samples, replays and copies must be >= 1, got {self.samples}, {self.replays}, {self.copies}"
+        if _CODE.fullmatch(self.code) is None:
+            return f"code must be {DIGEST_HEX} lowercase hex digits (kernels.digests), got {self.code!r}"
         return None
 
     @classmethod
@@ -272,7 +288,7 @@ def _combine(records: Iterable[Record]) -> list[Record]:
     idents = [r.ident for r in records]
     if all(a < b for a, b in itertools.pairwise(idents)):  # one compacted shard: already sorted, no duplicates
         return records
-    chosen: dict[tuple[str, int, int, int, str, str, str], Record] = {}
+    chosen: dict[tuple[str, int, int, int, str, str, str, str], Record] = {}
     for i, r in zip(idents, records, strict=True):
         old = chosen.setdefault(i, r)
         if old is not r and r != old and r.to_json() < old.to_json():  # JSON only for real duplicates
@@ -317,6 +333,8 @@ def _read_manifest(folder: Path) -> Manifest:
         raise InputError(f"{folder}: not a corpus folder (no {MANIFEST})") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise InputError(f"{path}: unreadable manifest ({err})") from None
+    if isinstance(data, dict) and data.get("format") in LEGACY_FORMATS:
+        raise InputError(f"{path}: a {data['format']} corpus, without code digests: migrate it ({MIGRATE})")
     if not isinstance(data, dict) or data.get("format") != MANIFEST_FORMAT:
         raise InputError(f"{path}: not a {MANIFEST_FORMAT} manifest")
     shards, retired = data.get("shards"), data.get("retired")
@@ -346,7 +364,7 @@ def _shard_bytes(provenance: Provenance, records: list[Record]) -> bytes:
 
 
 def _shard_name(provenance: Provenance, sha256: str) -> str:
-    return f"{provenance.key}-{sha256[:16]}.jsonl"
+    return f"{provenance.key}-{sha256[:16]}{SHARD_SUFFIX}"
 
 
 def _json_rows(path: Path, body: str) -> list[Any]:
@@ -383,13 +401,17 @@ def _records(path: Path, rows: list[Any]) -> tuple[Record, ...]:
     raise AssertionError("unreachable: the row failed the inlined checks")
 
 
-def _parse_shard(path: Path, data: bytes) -> Shard:
-    """A shard's bytes checked against its name and validated record by record; anything wrong raises
+def _parse_shard(path: Path, packed: bytes) -> Shard:
+    """A shard file's bytes checked against its name and validated record by record; anything wrong raises
     InputError naming the file."""
-    sha = sha256(data)
     named = SHARD_NAME.fullmatch(path.name)
     if named is None:
-        raise InputError(f"{path}: not a shard name (<provenance key>-<sha256 prefix>.jsonl)")
+        raise InputError(f"{path}: not a shard name (<provenance key>-<sha256 prefix>{SHARD_SUFFIX})")
+    try:
+        data = gzip.decompress(packed)
+    except (OSError, EOFError, ValueError) as err:  # zlib.error is an OSError subclass in gzip's hands
+        raise InputError(f"{path}: not a gzip shard ({err}; truncated or altered)") from None
+    sha = sha256(data)
     if named[2] != sha[:16]:
         raise InputError(f"{path}: SHA-256 {sha[:16]}… differs from the {named[2]}… its name promises "
                          "(truncated or altered shard)")
@@ -404,6 +426,8 @@ def _parse_shard(path: Path, data: bytes) -> Shard:
         header = json.loads(first)
     except json.JSONDecodeError as err:
         raise InputError(f"{path}: malformed shard header ({err})") from None
+    if isinstance(header, dict) and header.get("format") in LEGACY_FORMATS:
+        raise InputError(f"{path}: a {header['format']} shard, without code digests: migrate it ({MIGRATE})")
     if not isinstance(header, dict) or header.get("format") != SHARD_FORMAT:
         raise InputError(f"{path}: first line is not a {SHARD_FORMAT} header")
     provenance = Provenance.from_dict(header.get("provenance"), f"{path}: provenance")
@@ -417,7 +441,7 @@ def _parse_shard(path: Path, data: bytes) -> Shard:
     if stray is not None:
         raise InputError(f"{path}: record of {stray.cell} refers to provenance {stray.provenance}, "
                          f"not the header's {provenance.key}")
-    return Shard(path.name, provenance, records, sha, len(data))
+    return Shard(path.name, provenance, records, sha, len(packed))
 
 
 def _read_shard(path: Path, entry: ShardEntry | None = None) -> Shard:
@@ -472,7 +496,7 @@ def _shard_files(folder: Path) -> set[str]:
     """Names of the shard files in folder/shards/ (temp files excluded)."""
     shards = folder / SHARDS
     names = {p.name for p in shards.iterdir()} if shards.is_dir() else set()
-    return {n for n in names if n.endswith(".jsonl") and not n.startswith(".")}
+    return {n for n in names if n.endswith(SHARD_SUFFIX) and not n.startswith(".")}
 
 
 def _adoption(folder: Path, listed: tuple[Shard, ...], unlisted: list[Shard]) -> tuple[list[Shard], list[str]]:
@@ -482,11 +506,11 @@ def _adoption(folder: Path, listed: tuple[Shard, ...], unlisted: list[Shard]) ->
     provenance) the manifest lists that is not the listed record, or when two unlisted shards disagree on one."""
     if not unlisted:
         return [], []
-    listed_by_ident: dict[tuple[str, int, int, int, str, str, str], set[Record]] = {}
+    listed_by_ident: dict[tuple[str, int, int, int, str, str, str, str], set[Record]] = {}
     for shard in listed:
         for r in shard.records:
             listed_by_ident.setdefault(r.ident, set()).add(r)
-    seen: dict[tuple[str, int, int, int, str, str, str], tuple[Record, str]] = {}
+    seen: dict[tuple[str, int, int, int, str, str, str, str], tuple[Record, str]] = {}
     adopt, redundant = [], []
     for shard in unlisted:
         path, adds = folder / SHARDS / shard.name, False
@@ -570,11 +594,12 @@ def _shard_of(provenance: Provenance, records: Iterable[Record]) -> tuple[str, b
 
 
 def _put(folder: Path, name: str, data: bytes) -> bool:
-    """Write a shard file unless present (same name, same bytes); True when written."""
+    """Write a shard file of text `data` unless present (same name, same records); True when written. The gzip
+    stream carries no time stamp or file name, so the same text gives the same file on one zlib."""
     path = folder / SHARDS / name
     if path.exists():
         return False
-    write_atomic(path, data)
+    write_atomic(path, gzip.compress(data, compresslevel=9, mtime=0))
     return True
 
 
@@ -694,15 +719,53 @@ class Corpus:
     def records_for(self, cell: Cell) -> list[Record]:
         return list(self._by_cell.get(cell, ()))
 
+    @cached_property
+    def current(self) -> tuple[Record, ...]:
+        """The records whose code digest is the kernels' today (kernels.digests.launch_digest of the same
+        candidate and cell): what counts as measured and what trains."""
+        codes: dict[tuple[str, str, int, int, int], str] = {}
+        out = []
+        for r in self.records:
+            key = (r.candidate, r.codebook, r.m, r.n, r.k)
+            code = codes.get(key)
+            if code is None:
+                code = codes[key] = launch_digest(BY_ID[r.candidate], r.codebook, r.m, r.n, r.k)
+            if r.code == code:
+                out.append(r)
+        return tuple(out)
+
+    @property
+    def stale(self) -> int:
+        """Records timed with code the kernels no longer run (kept, never used)."""
+        return len(self.records) - len(self.current)
+
     def done_cells(self, provenance_key: str) -> set[Cell]:
-        """Cells complete under this provenance: a record (measured or dropped by racing) for every candidate
-        a sweep times there (`cell_candidates`). A cell missing any is not done and is timed again."""
+        """Cells with a current record of every candidate under this provenance (a fleet deals whole cells)."""
         done = set()
-        for cell, records in self._by_cell.items():
+        for cell, records in self._current_by_cell.items():
             have = {r.candidate for r in records if r.provenance == provenance_key}
             if have and have.issuperset(cell_candidates(cell.m, cell.n, cell.k)):
                 done.add(cell)
         return done
+
+    def missing(self, cell: Cell, provenance: Provenance, *, model: bool) -> list[str]:
+        """Candidate ids of the cell (`cell_candidates`) with no current record under `provenance` or, with
+        `model`, under any provenance of its GPU model and timing parameters: what a sweep still has to time
+        there. A resumed sweep, or one after a kernel change, times only these."""
+        if model:
+            accepted = {key for key, p in self.provenances.items()
+                        if p.gpu_name == provenance.gpu_name and p.timing == provenance.timing}
+        else:
+            accepted = {provenance.key}
+        have = {r.candidate for r in self._current_by_cell.get(cell, ()) if r.provenance in accepted}
+        return [c for c in cell_candidates(cell.m, cell.n, cell.k) if c not in have]
+
+    @cached_property
+    def _current_by_cell(self) -> dict[Cell, list[Record]]:
+        out: dict[Cell, list[Record]] = {}
+        for r in self.current:
+            out.setdefault(r.cell, []).append(r)
+        return out
 
     @cached_property
     def _by_cell(self) -> dict[Cell, list[Record]]:
@@ -715,9 +778,9 @@ class Corpus:
 def load(folder: str | os.PathLike[str], *, kernel_digest: str | None = None, gpu_uuid: str | None = None,
          gpu_name: str | None = None) -> Corpus:
     """Read and verify a corpus folder: every shard's hash against the manifest and its name, every record
-    valid, no unlisted shard, no listed shard missing, one GPU model and one kernel digest throughout (each
-    equal to the requested one, if given; gpu_uuid, if given, for every shard). Duplicates collapse
-    deterministically."""
+    valid, no unlisted shard, no listed shard missing, one GPU model throughout (the requested one, if given;
+    kernel_digest and gpu_uuid, if given, for every shard). Records of several kernel sources may sit side by
+    side: `Corpus.current` tells which the kernels still run. Duplicates collapse deterministically."""
     folder = Path(folder)
     _require(folder)
     with locked(folder, shared=True):
@@ -727,17 +790,16 @@ def load(folder: str | os.PathLike[str], *, kernel_digest: str | None = None, gp
 
 def _verified(folder: Path, shards: tuple[Shard, ...], *, kernel_digest: str | None = None,
               gpu_uuid: str | None = None, gpu_name: str | None = None) -> Corpus:
-    """The corpus of these shards, refusing a mix of GPU models or kernel sources (see `load`)."""
+    """The corpus of these shards, refusing a mix of GPU models (see `load`)."""
     expect = {"gpu_name": gpu_name, "kernel_digest": kernel_digest, "gpu_uuid": gpu_uuid}
-    for field in ("gpu_name", "kernel_digest"):  # a folder holds one GPU model and one kernel source
-        if expect[field] is None and shards:
-            expect[field] = getattr(shards[0].provenance, field)
+    if expect["gpu_name"] is None and shards:  # a folder holds one GPU model
+        expect["gpu_name"] = shards[0].provenance.gpu_name
     for shard in shards:
         for field, want in expect.items():
             got = getattr(shard.provenance, field)
             if want is not None and got != want:
-                raise InputError(f"{folder / SHARDS / shard.name}: {field} {got!r} is not {want!r} "
-                                 "(records of another GPU or kernel source cannot be mixed)")
+                why = "a corpus folder holds one GPU model" if field == "gpu_name" else "the one asked for"
+                raise InputError(f"{folder / SHARDS / shard.name}: {field} {got!r} is not {want!r} ({why})")
     provenances = {s.provenance.key: s.provenance for s in shards}
     records = _combine(r for s in shards for r in s.records)
     return Corpus(folder, shards, provenances, tuple(records))

@@ -176,7 +176,7 @@ class _Model:
     done: dict[str, set[Cell]]  # provenance key -> cells complete in the folder or staged by this run
     queue: collections.deque[list[Cell]]
     compact: bool  # staged or unlisted shards to merge at the end
-    existing: Corpus  # what the folder held at the start (stage_cell lists a re-timed incomplete cell at once)
+    existing: Corpus  # what the folder held at the start: a cell timed again stores only what it lacked
     idle: list[Any] = field(default_factory=list)
 
     def todo(self, group: list[Cell]) -> list[tuple[Cell, frozenset[str]]]:
@@ -195,7 +195,7 @@ def _models(root: Path, cells: list[Cell], groups: list[list[Cell]], actors: dic
             raise EnvironmentProblem(f"the {name} GPUs of the fleet run different kernel sources: "
                                      f"{', '.join(sorted(d[:12] for d in digests))}")
         folder = root / gpu_slug(name)
-        existing, actions = corpus.resume(folder, kernel_digest=digests.pop(), gpu_name=name)
+        existing, actions = corpus.resume(folder, gpu_name=name)
         for action in actions:
             print(f"{folder}: {action}", file=sys.stderr)
         keys = {p.key for i in own.values() for c in cells for p in i.served[c]}
@@ -277,8 +277,10 @@ def _deal(ray: ModuleType, models: list[_Model]) -> tuple[int, int]:
                 raise EnvironmentProblem(f"an actor of the {model.name} GPUs came back on a {provenance.gpu_name}")
             if cell in model.done.setdefault(provenance.key, set()):
                 continue  # whatever was retried or dealt again, a (cell, provenance) is staged once
-            records += stage_cell(model.folder, cell, provenance, timing, candidates_for(cell.m, cell.n, cell.k),
-                                  model.existing)
+            # The cell was timed whole; what the folder already holds current under this provenance stays.
+            missing = set(model.existing.missing(cell, provenance, model=False))
+            records += stage_cell(model.folder, cell, provenance, timing,
+                                  [c for c in candidates_for(cell.m, cell.n, cell.k) if c.id in missing])
             model.done[provenance.key].add(cell)
             timed, model.compact = timed + 1, True
         finished += len(group)

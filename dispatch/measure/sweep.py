@@ -183,8 +183,12 @@ class Timer(Protocol):
     """What a sweep times with: a GPU, or a corpus served back (replay)."""
 
     gpu_name: str  # the corpus folder is named after it
-    kernel_digest: str  # the kernel sources every record of the folder must come from
+    kernel_digest: str  # the kernel sources it times (provenance: a folder may hold several)
     lock_key: str | None  # the GPU's UUID, locked while timing; None where no GPU is timed
+    # What counts as already measured: a current record under any provenance of the GPU model and timing
+    # parameters (a GPU: a kernel change or another GPU of the model re-times only what is missing), or under
+    # exactly the provenance served (a replay, which reproduces every provenance of its source).
+    model_level: bool
 
     def provenances(self, cell: Cell) -> tuple[Provenance, ...]:
         """The provenances this timer records `cell` under; empty when it cannot time it."""
@@ -200,6 +204,7 @@ class ReplayTimer:
     cell, letting tests interrupt a sweep mid-way."""
 
     lock_key = None
+    model_level = False
 
     def __init__(self, source: Corpus, delay_s: float = 0.0) -> None:
         if not source.provenances:
@@ -284,6 +289,7 @@ class GpuTimer:
         )
 
         self.gpu_name, self.kernel_digest = self._provenance.gpu_name, self._provenance.kernel_digest
+        self.model_level = True
         self.lock_key: str | None = uuid
 
     def provenance(self) -> Provenance:
@@ -415,46 +421,46 @@ def cell_provenances(cells: Sequence[Cell], timer: Timer) -> dict[Cell, tuple[Pr
 
 
 def stage_cell(folder: Path, cell: Cell, provenance: Provenance, timing: CellTiming,
-               candidates: Sequence[Candidate], existing: Corpus) -> int:
-    """Stage the cell's records (one per candidate) as one shard; returns their count. A cell the corpus
-    (`existing`) holds incomplete under this provenance is re-timed whole: that shard is listed at once
-    (corpus.write_shard), since recovery never lets a staged shard replace listed records."""
+               candidates: Sequence[Candidate]) -> int:
+    """Stage the records of the candidates timed in a cell as one shard; returns their count."""
     rows = [Record.measured(cell, c, timing.stats[c.id], timing.copies, provenance.key) for c in candidates]
-    if any(r.provenance == provenance.key for r in existing.records_for(cell)):
-        corpus.write_shard(folder, provenance, rows)
-    else:
-        corpus.stage_shard(folder, provenance, rows)
+    corpus.stage_shard(folder, provenance, rows)
     return len(rows)
 
 
 def run_sweep(plan: SweepPlan, corpus_root: str | os.PathLike[str], timer: Timer, *,
               part: tuple[int, int] = (0, 1), compact_at_end: bool = True, label: str = "",
               wait: bool = False) -> SweepResult:
-    """Time the plan's cells (part `part[0]` of `part[1]`) that corpus_root/<gpu-slug>/ lacks under the
-    timer's provenances, one staged shard per (cell, provenance), then compact (a --devices parent compacts
-    once, at the end; nothing to compact when nothing changed). The GPU's lock (`gpulock`) is held
-    throughout; `wait` waits for another sweep of the GPU instead of refusing."""
+    """Time, in the plan's cells (part `part[0]` of `part[1]`), the candidates corpus_root/<gpu-slug>/ holds no
+    current record of (`Corpus.missing`: after a kernel change, those whose code changed), one staged shard per
+    (cell, provenance), then compact (a --devices parent compacts once, at the end; nothing to compact when
+    nothing changed). The GPU's lock (`gpulock`) is held throughout; `wait` waits for another sweep of the
+    GPU instead of refusing."""
     start = time.monotonic()
     cells = plan.part(*part)
     served = cell_provenances(cells, timer)
     keys = sorted({p.key for provenances in served.values() for p in provenances})
     folder = Path(corpus_root) / gpu_slug(timer.gpu_name)
     with gpulock.hold(timer.lock_key, wait=wait) if timer.lock_key else contextlib.nullcontext():
-        existing, actions = corpus.resume(folder, kernel_digest=timer.kernel_digest, gpu_name=timer.gpu_name)
+        existing, actions = corpus.resume(folder, gpu_name=timer.gpu_name)
         for action in actions:
             print(f"{label}{folder}: {action}", file=sys.stderr)
-        done = {key: existing.done_cells(key) for key in keys}
-        todo = [(cell, p) for cell, provenances in served.items() for p in provenances if cell not in done[p.key]]
-        progress = Progress([cell_work(cell) for cell, _ in todo], label)
+        todo = []
+        for cell, provenances in served.items():
+            for p in provenances:
+                missing = set(existing.missing(cell, p, model=timer.model_level))
+                if missing:
+                    todo.append((cell, p, [c for c in candidates_for(cell.m, cell.n, cell.k) if c.id in missing]))
+        progress = Progress([cell_work(cell) * len(c) / len(corpus.cell_candidates(cell.m, cell.n, cell.k))
+                             for cell, _, c in todo], label)
         records = 0
-        for i, (cell, provenance) in enumerate(todo, start=1):
-            candidates = candidates_for(cell.m, cell.n, cell.k)
+        for i, (cell, provenance, candidates) in enumerate(todo, start=1):
             timing = timer.measure(cell, provenance, candidates)
-            records += stage_cell(folder, cell, provenance, timing, candidates, existing)
+            records += stage_cell(folder, cell, provenance, timing, candidates)
             progress.update(i, str(cell))
         if compact_at_end and (todo or len(existing.shards) != len(existing.provenances)):
             corpus.compact(folder)
-    timed = {cell for cell, _ in todo}
+    timed = {cell for cell, _, _ in todo}
     return SweepResult((str(folder),), tuple(keys), len(cells), len(todo), len(cells) - len(timed), records,
                        time.monotonic() - start)
 

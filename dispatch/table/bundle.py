@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ...kernels import program
+from ...kernels import digests, program
 from ...kernels.errors import InputError
 from ..common.digests import canonical_bytes, read_digested, sha256
 
@@ -86,7 +86,11 @@ def verify(folder: Path) -> Table:
                              "generation?)")
     if cert.get("passed") is not True:
         raise InputError(f"{folder / CERTIFICATE}: the certificate records failed or missing checks")
-    if cert["digests"]["kernels"] != program.digest():
+    made_for = cert["digests"].get("code")
+    if made_for is not None and made_for != digests.code_digest():
+        raise InputError(f"{folder}: certified for kernel code {made_for[:12]}, these kernels run "
+                         f"{digests.code_digest()[:12]}: sweep (only what changed), train and certify again")
+    if made_for is None and cert["digests"]["kernels"] != program.digest():  # made before code digests
         raise InputError(f"{folder}: certified for kernel sources {cert['digests']['kernels'][:12]}, these are "
                          f"{program.digest()[:12]}: sweep, train and certify again")
     module = _module(files[MODULE], f"gemv_dispatch_table_{cert['gpu_slug'].replace('-', '_')}", folder / MODULE)

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ...kernels import program
+from ...kernels import digests, program
 from ...kernels.errors import InputError
 from .. import __version__
 from ..common.contract import MODES, SERVED_MS
@@ -84,7 +84,11 @@ def carry(policy: Policy, artifacts: Mapping[str, bytes], previous: Table, runne
     if prev["m_set"] != list(SERVED_MS) or prev["modes"] != list(MODES):
         raise InputError(f"{previous.folder}: certified over M {prev['m_set']} and modes {prev['modes']}, a table "
                          f"serves M {list(SERVED_MS)} and modes {list(MODES)}")
-    if prev["digests"]["kernels"] != program.digest():
+    code = prev["digests"].get("code")
+    if code is not None and code != digests.code_digest():
+        raise InputError(f"{previous.folder}: certified for kernel code {code[:12]}, these kernels run "
+                         f"{digests.code_digest()[:12]}")
+    if code is None and prev["digests"]["kernels"] != program.digest():  # made before code digests
         raise InputError(f"{previous.folder}: certified for kernel sources {prev['digests']['kernels'][:12]}, these "
                          f"are {program.digest()[:12]}")
     seed = prev["seed"] if seed is None else seed
@@ -122,11 +126,18 @@ def carry(policy: Policy, artifacts: Mapping[str, bytes], previous: Table, runne
         "keys": len(shapes) * len(SERVED_MS) * len(MODES),
         "emulator": None if gpu_evidence else prev.get("emulator") or {"note": "checked on the CPU emulator"},
         "checks": {CARRIED: equal.to_dict()} | {name: o.to_dict() for name, o in outcomes.items()},
-        "carried": {"certificate": prev["digest"], "device": prev["device"], "level": prev["level"],
-                    "seed": prev["seed"], "shapes": len(carried),
-                    "checks": {name: c["result"] for name, c in prev["checks"].items()}},
+        "carried": _evidence(prev) | {"via": prev["digest"], "shapes": len(carried)},
         "fresh": {"shapes": len(fresh), "level": fresh_level, "device": runner.device() if fresh else None},
         "seconds": round(seconds, 1),
     }
     return with_digest(cert)
 
+
+def _evidence(prev: Mapping[str, Any]) -> dict[str, Any]:
+    """Where the carried evidence was made: the certificate that ran the checks (for a certificate that carried
+    itself, the one it carried from), its device, level, seed and results."""
+    if "carried" in prev:
+        root = prev["carried"]
+        return {name: root[name] for name in ("certificate", "device", "level", "seed", "checks")}
+    return {"certificate": prev["digest"], "device": prev["device"], "level": prev["level"], "seed": prev["seed"],
+            "checks": {name: c["result"] for name, c in prev["checks"].items()}}

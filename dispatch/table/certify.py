@@ -36,7 +36,7 @@ from typing import Any, Literal, Protocol
 
 import numpy as np
 
-from ...kernels import emulate, program
+from ...kernels import digests, emulate
 from ...kernels.codebooks import formats_of, get
 from ...kernels.errors import BLOCK, EnvironmentProblem, InputError
 from ...kernels.layout import PackedWeights, random_planes
@@ -810,21 +810,25 @@ def corpus_digest(folder: Path) -> str:
 
 
 def check_policy(policy: Policy, corpus_folder: Path | None = None) -> None:
-    """InputError unless the policy was made for these kernel sources (and, if given, this corpus)."""
+    """InputError unless the policy was made for the code these kernels run (and, if given, this corpus)."""
     source = policy.source
-    if source.get("kernel_digest") != program.digest():
-        raise InputError(f"the policy was trained for kernel sources {str(source.get('kernel_digest'))[:12]}, these "
-                         f"are {program.digest()[:12]}: sweep and train again")
+    code = source.get("code_digest")
+    if code != digests.code_digest():
+        raise InputError(f"the policy was trained for kernel code {str(code)[:12]}, these kernels run "
+                         f"{digests.code_digest()[:12]}: sweep (only what changed is re-timed) and train again")
     wanted = str(source.get("corpus_manifest_sha256"))
     if corpus_folder is not None and corpus_digest(corpus_folder) != wanted:
         raise InputError(f"the policy was trained on another corpus than {corpus_folder} (manifest SHA-256 "
                          f"{corpus_digest(corpus_folder)[:12]}, the policy's {wanted[:12]})")
 
 
-def policy_digests(policy: Policy) -> dict[str, str]:
-    """The module-independent digests a table carries: policy, corpus, kernel sources, shape inventories."""
+def policy_digests(policy: Policy, inventories: str | None = None) -> dict[str, str]:
+    """The module-independent digests a table carries (the generated module's DIGESTS, the certificate's without
+    its artifacts): policy, corpus, kernel sources (provenance), the code the kernels run (what install checks),
+    shape inventories (default: the shipped ones')."""
     return {"policy": policy.digest, "corpus": str(policy.source.get("corpus_manifest_sha256")),
-            "kernels": program.digest(), "inventories": inventories_digest()}
+            "kernels": str(policy.source.get("kernel_digest")), "code": str(policy.source.get("code_digest")),
+            "inventories": inventories or inventories_digest()}
 
 
 def certify(policy: Policy, artifacts: Mapping[str, bytes], runner: Runner, *, seed: int = 0,

@@ -32,7 +32,7 @@ from ..common.gpu import gpu_slug
 from ..learn import features
 from ..learn.policy import CANONICAL_WIDE, Policy, canonical_kpar
 from .bundle import CERTIFICATE, HEADER, MODULE, certificate_bytes, read_certificate
-from .certify import inventories_digest
+from .certify import inventories_digest, policy_digests
 
 FAMILIES = ("wide", "direct", "kpar")
 # The shape features the templates implement, in dispatch.features order. A policy whose trees use a feature
@@ -100,8 +100,7 @@ def context(policy: Policy, inventories: str) -> dict[str, Any]:
     cb_index = {cb: i for i, cb in enumerate(codebooks)}
     mode_index = {m: i for i, m in enumerate(MODES)}
     source = policy.source
-    digests = {"policy": policy.digest, "corpus": str(source.get("corpus_manifest_sha256")),
-               "kernels": str(source.get("kernel_digest")), "inventories": inventories}
+    digests = policy_digests(policy, inventories)
     return {
         "tool_version": __version__,
         "gpu_name": str(source.get("gpu_name")),
