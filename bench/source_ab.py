@@ -74,6 +74,17 @@ def ring_of(text: str, threshold: int) -> tuple[int, int] | None:
     return threshold, int(slots.group(1)) if slots else PIPE_SLOTS
 
 
+def ring_bytes(c: registry.Candidate, m: int, k: int, codebook: str, threshold: int, slots: int) -> int:
+    """c's shared memory with a version's ring, from `threshold` blocks a thread and `slots` slots a thread: the
+    registry's RING_MIN_BLOCKS and PIPE_SLOTS, which Candidate.shared_bytes reads at each call, set for this one."""
+    saved = registry.RING_MIN_BLOCKS, registry.PIPE_SLOTS
+    registry.RING_MIN_BLOCKS, registry.PIPE_SLOTS = threshold, slots
+    try:
+        return c.shared_bytes(m, k, codebook)
+    finally:
+        registry.RING_MIN_BLOCKS, registry.PIPE_SLOTS = saved
+
+
 def time_cell(modules: dict[str, tuple[Any, int]], rings: dict[str, tuple[int, int] | None], codebook: str, m: int,
               n: int, k: int, families: list[str], stream: Any, l2: int,
               unchecked: frozenset[str] = frozenset()) -> list[dict[str, Any]]:
@@ -96,7 +107,7 @@ def time_cell(modules: dict[str, tuple[Any, int]], rings: dict[str, tuple[int, i
                 ws = launch.new_workspace(need, n) if need else None
             plans = [launch.plan(c, w, m) for w in copies]
             ring = rings[tag]
-            shared = c.shared_bytes(m, k) if ring is None else c.shared_bytes(m, k, codebook, *ring)
+            shared = c.shared_bytes(m, k) if ring is None else ring_bytes(c, m, k, codebook, *ring)
             plans = [replace(p, shared=shared) for p in plans]
             if module is not None:
                 name = spelled(c.kernel_name(codebook, m), arity)

@@ -146,21 +146,20 @@ class Candidate:
         """Threads per CTA: direct's S partitions are its second dimension (launch_geometry), kpar's the grid's."""
         return self.threads * (1 if self.grid_split else self.ksplit)
 
-    def shared_bytes(self, m: int, k: int, codebook: str | None = None, ring_min_blocks: int | None = None,
-                     pipe_slots: int = PIPE_SLOTS) -> int:
+    def shared_bytes(self, m: int, k: int, codebook: str | None = None) -> int:
         """Dynamic shared memory per CTA: the direct family's partials of partitions 1..S-1, then a staged twin's
         activation blocks (direct and wide: all KB; kpar: a partition), then for `codebook`'s walk its ring
-        (`pipe_slots` of pipe_slot_bytes), where a thread walks RING_MIN_BLOCKS blocks or more (`ring_min_blocks`,
-        where bench/source_ab.py tries another threshold) and the whole fits RING_SHARED_LIMIT."""
+        (PIPE_SLOTS of pipe_slot_bytes), where a thread walks RING_MIN_BLOCKS blocks or more and the whole fits
+        RING_SHARED_LIMIT. The three constants are read at each call, so a tool that times another kernel source
+        can size that source's ring by setting them."""
         if self.family == "kpar":
             base = STAGED_BLOCK_BYTES * self.partition_width(k) if self.staged else 0
         else:
             partials = (self.ksplit - 1) * row_tile(m, self.cpt) * self.threads * self.cpt * 4
             base = partials + (STAGED_BLOCK_BYTES * (k // BLOCK) if self.staged else 0)
-        threshold = RING_MIN_BLOCKS if ring_min_blocks is None else ring_min_blocks
-        long_walk = bool(codebook) and self.staged and self.partition_width(k) >= threshold
+        long_walk = bool(codebook) and self.staged and self.partition_width(k) >= RING_MIN_BLOCKS
         slot = pipe_slot_bytes(codebook, self.cpt) if long_walk else 0
-        with_ring = -(-base // 16) * 16 + self.cta_threads * pipe_slots * slot
+        with_ring = -(-base // 16) * 16 + self.cta_threads * PIPE_SLOTS * slot
         return with_ring if slot and with_ring <= RING_SHARED_LIMIT else base
 
     def workspace_bytes(self, m: int, n: int, k: int) -> int:
