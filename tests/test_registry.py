@@ -50,7 +50,7 @@ def test_both_engines_are_offered():
 
 
 def test_every_dp4a_launch_has_a_staged_twin_for_one_row():
-    """gemv_staged: each dp4a candidate's twin (but the two that won no cell of version 23's corpus), valid at M = 1
+    """gemv_staged: each dp4a candidate's twin (but the two that won no cell of an H200 corpus), valid at M = 1
     only and where its staged blocks fit the shared memory beside the partials (40 bytes a block: direct and wide all
     of K, kpar one partition)."""
     twins = {dataclasses.replace(c, staged=False): c for c in CANDIDATES if c.staged}
