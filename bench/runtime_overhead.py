@@ -10,7 +10,7 @@
    (dispatch.timing: events on one explicit stream, interleaved rounds, medians).
 One table is printed last; everything goes to --out as JSON.
 
-    python bench/runtime_overhead.py --out bench/results/runtime-h200.json [--quick]
+    python bench/runtime_overhead.py --out bench/results/runtime-nvidia-h200.json [--quick]
 """
 
 from __future__ import annotations
