@@ -3,7 +3,7 @@ cuBLAS fp16, and an end-to-end decode figure (Llama-3.1-8B's layer stack), all t
 
 Every time is a CUDA-graph replay of R launches on one explicit stream, events recorded on that stream,
 cold L2 by rotating weight copies past 3x the device's L2, interleaved rounds, medians
-(dispatch.timing). Weights are random codes with finite random scales: no zeros, no special values.
+(dispatch.measure.timing). Weights are random codes with finite random scales: no zeros, no special values.
 
     python bench/kernels.py --out bench/results/kernels-nvidia-h200.json --plot bench/results/roofline-nvidia-h200.png
 

@@ -1,4 +1,4 @@
-"""Validate dispatch.timing against Nsight Compute: graph-mode per-launch time vs ncu's gpu__time_duration.
+"""Validate dispatch.measure.timing against Nsight Compute: graph-mode per-launch time vs ncu's gpu__time_duration.
 
 Three single-launch candidates of different sizes are timed twice: by the harness (graph mode, cold L2,
 medians over interleaved rounds) and under ncu (`--clock-control none`, its default cache control flushes

@@ -223,7 +223,7 @@ def _build() -> tuple[Candidate, ...]:
     ]
     # kpar: S partitions across CTAs, folded by the last CTA of each column range; made for small N with long K.
     # At S = 64 direct's 8 columns by 64 partitions (one launch, no workspace) won every cell of the corpus; the
-    # t128 c1 spelling stays as the identity's canonical launch (dispatch.policy.canonical).
+    # t128 c1 spelling stays as the identity's canonical launch (dispatch.learn.policy.canonical).
     kpar = [
         Candidate("kpar", s, t, c) for s in (2, 4, 8, 16, 32, 64) for t, c in ((128, 1), (64, 2)) if s < 64 or c == 1
     ]
