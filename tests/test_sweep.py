@@ -389,7 +389,8 @@ def test_gpu_lock_refuses_a_second_holder_and_names_its_pid(locks):
 
 
 def test_a_second_sweep_on_one_gpu_is_refused_or_waits(source, shapes, locks, tmp_path):
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom gemv_dispatch.dispatch import gpulock\n"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\n"
+                               "from gemv_dispatch.dispatch.measure import gpulock\n"
                                f"with gpulock.hold({LockingReplay.lock_key!r}):\n print('held', flush=True)\n"
                                " time.sleep(float(sys.argv[1]))\n print('releasing', time.time(), flush=True)", "1.5"],
                               stdout=subprocess.PIPE, text=True)
