@@ -106,7 +106,7 @@ def test_installed_table_without_install_stage_or_table(monkeypatch):
     fake = types.ModuleType(runtime._INSTALL_MODULE)
     fake.installed_table = lambda gpu_name: None
     monkeypatch.setitem(sys.modules, runtime._INSTALL_MODULE, fake)
-    import gemv_dispatch.dispatch as package
+    import gemv_dispatch.dispatch.serve as package  # runtime imports install from its own package
 
     monkeypatch.setattr(package, "install", fake, raising=False)
     table, why = runtime.installed_table(GPU)
