@@ -3,9 +3,9 @@ cuBLAS fp16, and an end-to-end decode figure (Llama-3.1-8B's layer stack), all t
 
 Every time is a CUDA-graph replay of R launches on one explicit stream, events recorded on that stream,
 cold L2 by rotating weight copies past 3x the device's L2, interleaved rounds, medians
-(dispatch.timing). Weights are random codes with finite random scales: no zeros, no special values.
+(dispatch.measure.timing). Weights are random codes with finite random scales: no zeros, no special values.
 
-    python bench/kernels.py --out bench/results/kernels-h200.json --plot bench/results/roofline-h200.png
+    python bench/kernels.py --out bench/results/kernels-nvidia-h200.json --plot bench/results/roofline-nvidia-h200.png
 
 Rows: Q4_0 and Q8_0 at M in MS on every anchor, the super-block codebooks at M = 1 and 16, the other legacy
 ones at M = 1; cuBLAS fp16 and tinygemm wherever M > 1 or the codebook is Q4_0 or Q8_0. End to end: the sum over one

@@ -1,7 +1,10 @@
 """The kernel benchmark's report: bench/kernels.py's JSON -> markdown (the table, the end-to-end figures, and the
 targets of the small-batch and super-block issues, each with what this run measured). No GPU needed.
 
-    python bench/kernels_report.py bench/results/kernels-h200.json > bench/results/kernels-h200.md
+    python bench/kernels_report.py bench/results/kernels-nvidia-h200.json > bench/results/kernels-nvidia-h200.md
+
+Results are named by the GPU model's slug (dispatch.measure.corpus.gpu_slug): kernels-<slug>.json, its report
+kernels-<slug>.md and the roofline plot roofline-<slug>.png.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import math
 import sys
 from pathlib import Path
 
+from gemv_dispatch.dispatch.measure.corpus import gpu_slug
 from gemv_dispatch.kernels.codebooks import SUPERBLOCK, get
 
 LARGE_BYTES = 64e6  # "shapes >= 64 MB" of the M = 1 target
@@ -80,9 +84,10 @@ def targets(data: dict) -> list[tuple[str, str, bool]]:
 
 
 def report(data: dict, source: str) -> str:
+    slug = gpu_slug(data["device"]["name"])
     lines = [f"# Kernel benchmark, {data['device']['name']}", "",
-             "Made by `python bench/kernels.py --out bench/results/kernels-h200.json --plot "
-             "bench/results/roofline-h200.png` (one device call), this file by `python bench/kernels_report.py "
+             f"Made by `python bench/kernels.py --out bench/results/kernels-{slug}.json --plot "
+             f"bench/results/roofline-{slug}.png` (one device call), this file by `python bench/kernels_report.py "
              f"{source}`.", f"Read ceiling: {data['read_ceiling_gbs']:.0f} GB/s (16-byte streaming loads, same run). "
              + (f"Floors, same run: an empty launch {data['floor_us']['empty']:.2f} µs, one thread reading one cold "
                 f"word {data['floor_us']['cold_word']:.2f} µs. " if "floor_us" in data else "") +
@@ -91,7 +96,7 @@ def report(data: dict, source: str) -> str:
              "cuBLAS fp16 time over ours (> 1: we are faster); `/M=1` is the time over the same shape's M = 1 time. "
              + ("`strm%` is the time a pure streaming read of the same bytes takes (same run, cold L2) over ours: how "
                 "close the shape is to what this GPU can read at its size. " if streamed(data["rows"]) else "") +
-             "The JSON keeps every candidate's median under `candidates_us`. Roofline: `roofline-h200.png`.",
+             f"The JSON keeps every candidate's median under `candidates_us`. Roofline: `roofline-{slug}.png`.",
              "", "```", *table(data["rows"]), "```", "",
              "End to end, one Llama-3.1-8B decode step (q, k, v, o, gate, up, down × 32 layers + lm_head, one "
              "activation quantization per distinct input; tinygemm and cuBLAS take bf16 / fp16 activations):", "",

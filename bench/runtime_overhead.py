@@ -7,10 +7,10 @@
    synchronization in every call);
 3. end to end, quantize + gemv through the runtime vs the raw gemv launch alone, for the anchor shapes of
    bench/kernels.py (Q4_0, M = 1 and 16), as CUDA-graph replays and eager launches, cold L2
-   (dispatch.timing: events on one explicit stream, interleaved rounds, medians).
+   (dispatch.measure.timing: events on one explicit stream, interleaved rounds, medians).
 One table is printed last; everything goes to --out as JSON.
 
-    python bench/runtime_overhead.py --out bench/results/runtime-h200.json [--quick]
+    python bench/runtime_overhead.py --out bench/results/runtime-nvidia-h200.json [--quick]
 """
 
 from __future__ import annotations

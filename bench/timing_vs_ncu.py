@@ -1,11 +1,11 @@
-"""Validate dispatch.timing against Nsight Compute: graph-mode per-launch time vs ncu's gpu__time_duration.
+"""Validate dispatch.measure.timing against Nsight Compute: graph-mode per-launch time vs ncu's gpu__time_duration.
 
 Three single-launch candidates of different sizes are timed twice: by the harness (graph mode, cold L2,
 medians over interleaved rounds) and under ncu (`--clock-control none`, its default cache control flushes
 caches before each kernel, i.e. cold), whose per-kernel durations are medianed. Agreement within 10% means
 the harness measures kernel time, not launch gaps or host overhead. Nothing measured here enters a corpus.
 
-    python bench/timing_vs_ncu.py run --out bench/results/timing-vs-ncu-h200.json
+    python bench/timing_vs_ncu.py run --out bench/results/timing-vs-ncu-nvidia-h200.json
 (`run` times with the harness, then re-executes itself under ncu with `profile`.)
 """
 
@@ -24,14 +24,33 @@ from pathlib import Path
 
 import cupy as cp
 from gemv_dispatch.dispatch.measure.sweep import GpuTimer, sweep_timing
+from gemv_dispatch.kernels import launch
 from gemv_dispatch.kernels.registry import by_id
-from profile_candidates import launch_cells  # bench/, this script's own folder
 
 # (codebook, M, N, K, candidate): about 10, 30 and 90 microseconds on an H200.
 CASES = [("Q4_0", 1, 14336, 4096, "direct.s8.t32.c1"), ("Q4_0", 1, 27648, 5120, "direct.s4.t64.c1"),
          ("Q4_0", 1, 151936, 4096, "wide.s1.t128.c1")]
 PROFILED_LAUNCHES = 15
 CONFIG = replace(sweep_timing(), min_rounds=15)  # the sweep's settings, all 15 rounds
+
+
+def launch_cells(cells: list[tuple[str, int, int, int, str]], repeats: int = 3) -> None:
+    """Launch each (codebook, M, N, K, candidate) `repeats` times on random weights, one stream."""
+    stream = cp.cuda.Stream(non_blocking=True)
+    for codebook, m, n, k, cid in cells:
+        cand = by_id(cid)
+        rng = cp.random.default_rng(n + k)
+        with stream:
+            weights = launch.random_weights(codebook, n, k, rng)
+            x = rng.standard_normal((m, k), dtype=cp.float32)
+            out = cp.empty((m, n), cp.float32)
+            need = cand.workspace_bytes(m, n, k)
+            workspace = launch.new_workspace(need, n) if need else None
+        qact = launch.quantize_activations(x, stream)
+        run = launch.bind(cand, [weights], qact, out, stream, workspace)
+        for _ in range(repeats):
+            run(0)
+        stream.synchronize()
 
 
 def harness() -> dict[str, float]:

@@ -118,7 +118,7 @@ def shapes_from_gguf(model: Path, output: Path | None, as_json: bool) -> None:
 @main.command("sweep")
 @click.option("--corpus-root", type=click.Path(file_okay=False, path_type=Path),
               help="Folder that holds one corpus folder per GPU model [default: corpus/ of the work folder, "
-              "see dispatch.paths: GEMV_DISPATCH_HOME, the source checkout, or ~/.local/share/gemv-dispatch].")
+              "see dispatch.common.paths: GEMV_DISPATCH_HOME, the source checkout, or ~/.local/share/gemv-dispatch].")
 @click.option("--replay", type=click.Path(path_type=Path),
               help="Serve timings from this corpus folder instead of a GPU (CPU runs and tests).")
 @click.option("--devices", help="CUDA device ids, e.g. 0,1: one child process per GPU, geometries dealt "
@@ -240,7 +240,7 @@ def corpus_compact(folder: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# train -> evaluate, explain (dispatch.train, dispatch.evaluate, dispatch.explain)
+# train -> evaluate, explain (dispatch.learn: train, evaluate, explain)
 
 
 def _corpus_folder(folder: Path | None) -> Path:

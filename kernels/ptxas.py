@@ -1,6 +1,6 @@
 """Build every kernel instantiation with nvcc for a GPU architecture and read ptxas's resource report.
 
-Used by the CPU compile check (no GPU needed), the certificate's spill_free check and bench/source_ab.py:
+Used by the CPU compile check (no GPU needed), the certificate's spill_free check and tools/source_ab.py:
 registers, stack frame and spills per kernel. `python -m gemv_dispatch.kernels.ptxas` checks every instantiation
 the registry may launch (exit 1 if one spills): what a device sweep runs first, since a kernel source that spills
 cannot be certified.
@@ -74,7 +74,7 @@ def parse_report(text: str) -> list[KernelResources]:
 class Build:
     resources: list[KernelResources]
     ptx: str  # the PTX the cubin was assembled from
-    cubin: bytes  # the assembled kernels (for a disassembler: bench/sass_per_block.py)
+    cubin: bytes  # the assembled kernels (for a disassembler: tools/sass_per_block.py)
 
 
 def compile_report(kernel_names: list[str], arch: str = "sm_90", text: str | None = None) -> Build:

@@ -48,7 +48,7 @@ STAGED_BLOCK_BYTES = 40  # one staged activation block: 32 int8 values, d_a and 
 # every GPU of compute capability 8.0 and above (8.6 and 8.9: 99 KB; kernels.launch opts in above
 # SHARED_MEMORY_LIMIT), and where a thread walks at least RING_MIN_BLOCKS blocks: else the walk loads directly. The
 # ring's copies and its shared memory (fewer CTAs per SM) cost more than they hide on shorter walks, and on every
-# Q8_0 walk, whose light loop already reads near streaming speed (gemv.cu's PIPE; bench/NOTES.md, rows 58 and 59).
+# Q8_0 walk, whose light loop already reads near streaming speed (gemv.cu's PIPE; measured on an H100 and an H200).
 PIPE_SLOTS = 2
 RING_SHARED_LIMIT = 99 * 1024
 RING_MIN_BLOCKS = 160
@@ -146,21 +146,20 @@ class Candidate:
         """Threads per CTA: direct's S partitions are its second dimension (launch_geometry), kpar's the grid's."""
         return self.threads * (1 if self.grid_split else self.ksplit)
 
-    def shared_bytes(self, m: int, k: int, codebook: str | None = None, ring_min_blocks: int | None = None,
-                     pipe_slots: int = PIPE_SLOTS) -> int:
+    def shared_bytes(self, m: int, k: int, codebook: str | None = None) -> int:
         """Dynamic shared memory per CTA: the direct family's partials of partitions 1..S-1, then a staged twin's
         activation blocks (direct and wide: all KB; kpar: a partition), then for `codebook`'s walk its ring
-        (`pipe_slots` of pipe_slot_bytes), where a thread walks RING_MIN_BLOCKS blocks or more (`ring_min_blocks`,
-        where bench/source_ab.py tries another threshold) and the whole fits RING_SHARED_LIMIT."""
+        (PIPE_SLOTS of pipe_slot_bytes), where a thread walks RING_MIN_BLOCKS blocks or more and the whole fits
+        RING_SHARED_LIMIT. The three constants are read at each call, so a tool that times another kernel source
+        can size that source's ring by setting them."""
         if self.family == "kpar":
             base = STAGED_BLOCK_BYTES * self.partition_width(k) if self.staged else 0
         else:
             partials = (self.ksplit - 1) * row_tile(m, self.cpt) * self.threads * self.cpt * 4
             base = partials + (STAGED_BLOCK_BYTES * (k // BLOCK) if self.staged else 0)
-        threshold = RING_MIN_BLOCKS if ring_min_blocks is None else ring_min_blocks
-        long_walk = bool(codebook) and self.staged and self.partition_width(k) >= threshold
+        long_walk = bool(codebook) and self.staged and self.partition_width(k) >= RING_MIN_BLOCKS
         slot = pipe_slot_bytes(codebook, self.cpt) if long_walk else 0
-        with_ring = -(-base // 16) * 16 + self.cta_threads * pipe_slots * slot
+        with_ring = -(-base // 16) * 16 + self.cta_threads * PIPE_SLOTS * slot
         return with_ring if slot and with_ring <= RING_SHARED_LIMIT else base
 
     def workspace_bytes(self, m: int, n: int, k: int) -> int:
@@ -224,7 +223,7 @@ def _build() -> tuple[Candidate, ...]:
     ]
     # kpar: S partitions across CTAs, folded by the last CTA of each column range; made for small N with long K.
     # At S = 64 direct's 8 columns by 64 partitions (one launch, no workspace) won every cell of the corpus; the
-    # t128 c1 spelling stays as the identity's canonical launch (dispatch.policy.canonical).
+    # t128 c1 spelling stays as the identity's canonical launch (dispatch.learn.policy.canonical).
     kpar = [
         Candidate("kpar", s, t, c) for s in (2, 4, 8, 16, 32, 64) for t, c in ((128, 1), (64, 2)) if s < 64 or c == 1
     ]
@@ -234,16 +233,16 @@ def _build() -> tuple[Candidate, ...]:
     mma = [Candidate("wide", 1, 128, mma_tiles=t) for t in (2, 4)] + [
         Candidate("kpar", s, 128, mma_tiles=2) for s in (2, 4, 8, 16, 32)
     ]
-    # Rings of 8 warps of 2 tiles (version 26): a chunk's activation rows are staged once for 8 warps instead of 4,
-    # half the staging per output on half the CTAs. In version 26's corpus they win few cells, by a little
-    # (bench/NOTES.md row 26).
+    # Rings of 8 warps of 2 tiles: a chunk's activation rows are staged once for 8 warps instead of 4, half the
+    # staging per output on half the CTAs. They win few cells of an H200 corpus, by a little, and cost the sweep
+    # little.
     mma += [Candidate("wide", 1, 256, mma_tiles=2)] + [Candidate("kpar", s, 256, mma_tiles=2) for s in (4, 8)]
-    # 8 warps of 1 tile (version 28): the 4-warp CTA's 64 outputs with twice its warps, so at M = 16 on mid-size N,
+    # 8 warps of 1 tile: the 4-warp CTA's 64 outputs with twice its warps, so at M = 16 on mid-size N,
     # where the grid fills under half a wave, each SM holds twice the warps with half the work each.
     mma += [Candidate("wide", 1, 256, mma_tiles=1)] + [Candidate("kpar", s, 256, mma_tiles=1) for s in (4, 8)]
-    # Staged twins of the dp4a launches, for M = 1 (version 22: faster on the large Q4_0 shapes, slower on small).
-    # In version 23's corpus two twins won no M = 1 cell: kpar.s64.t128.c1's was never within 2 % of the best,
-    # direct.s2.t32.c1's never the best; they are not built.
+    # Staged twins of the dp4a launches, for M = 1: fewer registers beside the weights, so more CTAs per SM (faster on
+    # the large shapes, slower on small ones). Two twins won no M = 1 cell of an H200 corpus: kpar.s64.t128.c1's was
+    # never within 2 % of the best, direct.s2.t32.c1's never the best; they are not built.
     never_won = {"kpar.s64.t128.c1", "direct.s2.t32.c1"}
     staged = [replace(c, staged=True) for c in wide + direct + kpar if c.id not in never_won]
     return tuple(wide + direct + kpar + mma + staged)

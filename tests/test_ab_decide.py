@@ -1,23 +1,21 @@
-"""bench/ab_decide.py, the verdict a device call takes between an A/B of kernel sources and the sweep, on the
-committed A/B runs: version 35 against 34 is kept, version 33 against 32 is not (one cell 6.6 % slower)."""
+"""tools/ab_decide.py, the verdict a device call takes between an A/B of kernel sources and the sweep, on recorded
+A/B runs (tests/data/): version 35 against 34 is kept, version 33 against 32 is not (one cell 6.6 % slower)."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
-from test_bench_report import REPO, bench_script
-
-RESULTS = REPO / "bench" / "results"
+from test_bench_report import DATA, bench_script, repo_script
 
 
 @pytest.fixture(scope="module")
 def ab():
-    return bench_script("ab_decide")
+    return repo_script("tools/ab_decide")
 
 
 def runs(*names: str) -> list[dict]:
-    return [json.loads((RESULTS / f"ab-{name}-h200.json").read_text()) for name in names]
+    return [json.loads((DATA / f"ab-{name}-h200.json").read_text()) for name in names]
 
 
 def test_a_faster_source_is_kept(ab, capsys):
@@ -26,12 +24,12 @@ def test_a_faster_source_is_kept(ab, capsys):
     # The best over the families: on IQ4_NL 151936x4096 the baseline's is a kpar launch (106.1 us), the tree's a
     # direct one (100.1 us), where direct alone gives 0.936.
     assert verdict.ratios[("IQ4_NL", 1, 151936, 4096)] == pytest.approx(100.1 / 106.1, abs=2e-3)
-    assert ab.main([str(RESULTS / f"ab-v35-{f}-h200.json") for f in ("direct", "kpar", "wide")]) == 0
+    assert ab.main([str(DATA / f"ab-v35-{f}-h200.json") for f in ("direct", "kpar", "wide")]) == 0
     assert capsys.readouterr().out.splitlines()[-1].endswith("keep the tree's source")
 
 
 def test_a_gain_below_the_asked_geomean_keeps_the_baseline(ab):
-    files = [str(RESULTS / f"ab-v35-{f}-h200.json") for f in ("direct", "kpar", "wide")]
+    files = [str(DATA / f"ab-v35-{f}-h200.json") for f in ("direct", "kpar", "wide")]
     geomean = ab.decide(runs("v35-direct", "v35-kpar", "v35-wide"), 1.03).geomean
     assert ab.main([*files, "--geomean", f"{geomean + 0.002:.3f}"]) == 0
     assert ab.main([*files, "--geomean", f"{geomean - 0.002:.3f}"]) == 1
@@ -41,7 +39,7 @@ def test_one_slow_cell_keeps_the_baseline(ab):
     verdict = ab.decide(runs("v33-direct"), 1.03)
     assert not verdict.keep_tree and verdict.worst == pytest.approx(1.066, abs=1e-3)
     assert ab.decide(runs("v33-direct"), 1.07).keep_tree is (verdict.geomean < 1.0)
-    assert ab.main([str(RESULTS / "ab-v33-direct-h200.json")]) == 1
+    assert ab.main([str(DATA / "ab-v33-direct-h200.json")]) == 1
 
 
 def test_a_launch_the_baseline_lacks_counts_for_the_tree_only(ab):
@@ -54,7 +52,7 @@ def test_a_launch_the_baseline_lacks_counts_for_the_tree_only(ab):
 def test_runs_of_different_baselines_are_refused(ab, capsys):
     with pytest.raises(ValueError, match="different baselines"):
         ab.decide(runs("v33-direct", "v35-direct"), 1.03)
-    assert ab.main([str(RESULTS / "ab-v33-direct-h200.json"), str(RESULTS / "ab-v35-kpar-h200.json")]) == 2
+    assert ab.main([str(DATA / "ab-v33-direct-h200.json"), str(DATA / "ab-v35-kpar-h200.json")]) == 2
     assert capsys.readouterr().err.startswith("error: the runs name different baselines")
 
 

@@ -1,6 +1,6 @@
-"""bench/ab_sweep_on_device.sh's decisions, off the device: with the A/B and the sweep stubbed (the committed version
-35 runs, which ab_decide keeps, and version 36's, which it drops), the applied patches stay or are reverted last
-first, the sweep runs on whatever source is kept, and a call without a verdict sweeps nothing."""
+"""lab/device/ab_sweep_on_device.sh's decisions, off the device: with the A/B and the sweep stubbed (the recorded
+version 35 runs, which ab_decide keeps, and version 36's, which it drops), the applied patches stay or are reverted
+last first, the sweep runs on whatever source is kept, and a call without a verdict sweeps nothing."""
 
 from __future__ import annotations
 
@@ -15,33 +15,34 @@ from pathlib import Path
 import pytest
 from corpus_fixture import build_corpus, fake_provenance
 from test_ab_decide import requesting, runs
-from test_bench_report import REPO
+from test_bench_report import DATA, REPO
 
-SCRIPT = REPO / "bench" / "ab_sweep_on_device.sh"
+SCRIPT = REPO / "lab" / "device" / "ab_sweep_on_device.sh"
 pytestmark = pytest.mark.skipif(not SCRIPT.is_file() or shutil.which("patch") is None,
-                                reason="needs the checkout's bench/ and the patch tool")
+                                reason="needs the checkout's lab/device/ and the patch tool")
 
 
 def call(tmp_path: Path, runs: list[str | Path], patches: int,
          **env: str) -> tuple[subprocess.CompletedProcess, Path, Path]:
     """The script in a scratch tree whose file `source` holds `patches` lines, line i added by patch i; the stubbed
-    A/B leaves the committed runs `ab-RUN.json` of bench/results (or the run files given as paths)."""
+    A/B leaves the recorded runs `ab-RUN.json` of tests/data (or the run files given as paths)."""
     tree, out = tmp_path / "tree", tmp_path / "out"
-    (tree / "bench").mkdir(parents=True)
+    device = tree / "lab" / "device"
+    device.mkdir(parents=True)
+    (tree / "tools").mkdir()
     out.mkdir()
-    for name in ("ab_sweep_on_device.sh", "ab_decide.py"):
-        shutil.copy(REPO / "bench" / name, tree / "bench" / name)
-    (tree / "bench" / "device_env.sh").write_text(f'python3() {{ "{sys.executable}" "$@"; }}\n')
-    results = REPO / "bench" / "results"
-    files = [run if isinstance(run, Path) else results / f"ab-{run}.json" for run in runs]
+    shutil.copy(SCRIPT, device / SCRIPT.name)
+    shutil.copy(REPO / "tools" / "ab_decide.py", tree / "tools" / "ab_decide.py")
+    (device / "device_env.sh").write_text(f'python3() {{ "{sys.executable}" "$@"; }}\n')
+    files = [run if isinstance(run, Path) else DATA / f"ab-{run}.json" for run in runs]
     copies = " ".join(f'cp {file} "$OUT"; touch "$OUT/{file.stem}.log";' for file in files)
-    (tree / "bench" / "ab_on_device.sh").write_text(copies + "\n")
-    (tree / "bench" / "sweep_on_device.sh").write_text('echo "$@" > "$OUT/swept"\n')
+    (device / "ab_on_device.sh").write_text(copies + "\n")
+    (device / "sweep_on_device.sh").write_text('echo "$@" > "$OUT/swept"\n')
     names = [f"p{i}.patch" for i in range(patches)]
     for i, name in enumerate(names):  # patch i appends line i
         (tree / name).write_text(f"--- a/source\n+++ b/source\n@@ -{i},0 +{i + 1} @@\n+line {i}\n")
     (tree / "source").write_text("".join(f"line {i}\n" for i in range(patches)))
-    command = ["bash", "bench/ab_sweep_on_device.sh", "base.cu", "1", "0.99", " ".join(names), "x:Q4_0:1"]
+    command = ["bash", "lab/device/ab_sweep_on_device.sh", "base.cu", "1", "0.99", " ".join(names), "x:Q4_0:1"]
     result = subprocess.run(command, cwd=tree, env={**os.environ, "OUT": str(out), **env}, capture_output=True,
                             text=True, timeout=120)
     return result, tree, out

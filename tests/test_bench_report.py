@@ -1,5 +1,6 @@
-"""The committed kernel benchmark report (bench/results/kernels-h200.md) is what bench/kernels_report.py renders from
-the committed JSON of the same run, so its figures and target verdicts cannot drift from the measurements."""
+"""The committed kernel benchmark report (bench/results/kernels-nvidia-h200.md) is what bench/kernels_report.py
+renders from the committed JSON of the same run, so its figures and target verdicts cannot drift from the
+measurements. Also tools/ncu_summary.py on recorded Nsight Compute logs (tests/data/)."""
 
 from __future__ import annotations
 
@@ -12,19 +13,25 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-RESULTS = "bench/results/kernels-h200.json"
+RESULTS = "bench/results/kernels-nvidia-h200.json"
+DATA = REPO / "tests" / "data"  # recorded runs of the tools (A/B runs, ncu logs), the tools' test inputs
+
+
+def repo_script(path: str):
+    """A script of the checkout (bench/ or tools/: scripts, not a package), loaded from its file: "tools/ab_decide"."""
+    file = REPO / f"{path}.py"
+    if not file.is_file():
+        pytest.skip(f"{file.parent.name}/ is not part of this tree (an installed package without the checkout)")
+    spec = importlib.util.spec_from_file_location(file.stem, file)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[file.stem] = module  # before it runs: dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
 
 
 def bench_script(name: str):
-    """A module of bench/ (scripts, not a package), loaded from its file."""
-    path = REPO / "bench" / f"{name}.py"
-    if not path.is_file():
-        pytest.skip("bench/ is not part of this tree (an installed package without the checkout)")
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # before it runs: dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    """A module of bench/, loaded from its file."""
+    return repo_script(f"bench/{name}")
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +81,7 @@ def test_streaming_reads_of_the_run_are_reported(report):
     assert "strm%" not in report(streamed, RESULTS)
 
 
-# The cells of bench/results/ncu-v16-h200.log, in the order bench/profile_candidates.py ran them (bench/NOTES.md).
+# The cells of tests/data/ncu-v16-h200.log, in the order tools/profile_candidates.py ran them (lab/journal.md).
 NCU_CELLS = ["Q4_0:1:4096:4096:direct.s16.t8.c1", "Q4_0:1:1024:4096:direct.s32.t16.c1",
              "Q4_0:1:14336:4096:kpar.s8.t64.c2", "Q4_0:1:27648:5120:kpar.s4.t64.c2",
              "IQ4_NL:1:27648:5120:kpar.s8.t64.c2",
@@ -98,10 +105,10 @@ def test_end_to_end_target_is_q4_0s_and_other_codebooks_show_their_byte_bound():
 
 
 def test_ncu_summary_of_the_committed_log():
-    """bench/ncu_summary.py gives the notes' ncu table from the committed log; cells in another order are refused
+    """tools/ncu_summary.py gives the notes' ncu table from the committed log; cells in another order are refused
     (each cell's grid is checked against the kernels the log holds)."""
-    summary = bench_script("ncu_summary").summary
-    text = (REPO / "bench/results/ncu-v16-h200.log").read_text()
+    summary = repo_script("tools/ncu_summary").summary
+    text = (DATA / "ncu-v16-h200.log").read_text()
     lines = summary(text, NCU_CELLS)
     assert len(lines) == len(NCU_CELLS)
     assert lines[0].startswith(NCU_CELLS[0]) and "   5.95 µs" in lines[0]
@@ -111,7 +118,7 @@ def test_ncu_summary_of_the_committed_log():
         summary(text, NCU_CELLS[1:] + NCU_CELLS[:1])
 
 
-# The cells of the streaming comparison (bench/NOTES.md, version 19): our best M = 1 launches and the streaming read.
+# The cells of the streaming comparison (lab/journal.md, version 19): our best M = 1 launches and the streaming read.
 NCU_M1_CELLS = ["Q4_0:1:151936:4096:kpar.s2.t128.c1", "Q4_0:1:27648:5120:kpar.s4.t64.c2",
                 "Q4_0:1:14336:4096:kpar.s8.t64.c2", "Q4_0:1:4096:4096:direct.s16.t16.c1",
                 "Q8_0:1:27648:5120:direct.s2.t64.c1"]
@@ -123,10 +130,10 @@ NCU_STREAM_CELLS = ["stream:350060544:528", "stream:350060544:42737", "stream:79
 def test_ncu_summary_of_the_metric_logs():
     """The notes' streaming comparison comes from the committed --metrics logs (DRAM bytes, active warps), streaming
     reads named by their grid; a cell list in another order is refused there too."""
-    summary = bench_script("ncu_summary").summary
-    ours = summary((REPO / "bench/results/ncu-v16-m1-metrics-h200.log").read_text(), NCU_M1_CELLS)
+    summary = repo_script("tools/ncu_summary").summary
+    ours = summary((DATA / "ncu-v16-m1-metrics-h200.log").read_text(), NCU_M1_CELLS)
     assert "  88.29 µs  DRAM  350.7 MB 83.4 %" in ours[0] and "warps 19.5 %" in ours[1]
-    log = (REPO / "bench/results/ncu-stream-metrics-h200.log").read_text()
+    log = (DATA / "ncu-stream-metrics-h200.log").read_text()
     reads = summary(log, NCU_STREAM_CELLS)
     assert "  79.68 µs  DRAM  350.1 MB 92.0 %" in reads[0] and "warps 97.4 %" in reads[0]
     with pytest.raises(SystemExit, match="did not run its grid"):

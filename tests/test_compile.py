@@ -34,7 +34,7 @@ def test_every_instantiation_compiles_spill_free_for_sm90():
     assert all(0 < r.registers <= cap for r in report), f"--maxrregcount={cap} caps registers"
     # CuPy builds with -ftz=true: the contract's float operations must not be flushing variants.
     assert build.ptx.count(".entry") == len(report)
-    assert build.cubin[:4] == b"\x7fELF"  # the assembled kernels, for bench/sass_per_block.py
+    assert build.cubin[:4] == b"\x7fELF"  # the assembled kernels, for tools/sass_per_block.py
     flushing = sorted({line.split()[0] for line in build.ptx.splitlines() if ".ftz" in line})
     assert not flushing, f"flush-to-zero instructions in the PTX: {flushing}"
     # The committed code digests are this build's: a kernel change must rewrite them (kernels/digests.py).
@@ -113,7 +113,7 @@ def test_report_parser_flags_spills():
 
 @needs_nvcc
 def test_another_source_compiles_and_its_stack_frame_is_caught():
-    """compile_report builds the text it is given (bench/source_ab.py compiles kernel variants this way), and
+    """compile_report builds the text it is given (tools/source_ab.py compiles kernel variants this way), and
     spill_free is false for a kernel with a stack frame: the negative control of the check above, end to end."""
     text = program.source() + (
         'extern "C" __global__ void indexed_local(float* out, int i) {\n'

@@ -1,4 +1,4 @@
-"""bench/sweep_on_device.sh resumes from a carried tarball, off the device: with python3 stubbed (the spill check
+"""lab/device/sweep_on_device.sh resumes from a carried tarball, off the device: with python3 stubbed (the spill check
 passes, the sweep records its arguments), a missing ROOT is unpacked from ROOT.tgz before the sweep, an existing ROOT
 is kept as it is, and a tarball that cannot be unpacked stops the call before anything is swept."""
 
@@ -13,15 +13,15 @@ from pathlib import Path
 import pytest
 from test_bench_report import REPO
 
-SCRIPT = REPO / "bench" / "sweep_on_device.sh"
+SCRIPT = REPO / "lab" / "device" / "sweep_on_device.sh"
 pytestmark = pytest.mark.skipif(not SCRIPT.is_file() or shutil.which("tar") is None,
-                                reason="needs the checkout's bench/ and tar")
+                                reason="needs the checkout's lab/device/ and tar")
 
 
 def call(tree: Path, out: Path) -> subprocess.CompletedProcess:
-    (tree / "bench").mkdir(parents=True, exist_ok=True)
-    for script in (SCRIPT, REPO / "bench" / "device_env.sh"):
-        shutil.copy(script, tree / "bench" / script.name)
+    (tree / "lab" / "device").mkdir(parents=True, exist_ok=True)
+    for script in (SCRIPT, SCRIPT.parent / "device_env.sh"):
+        shutil.copy(script, tree / "lab" / "device" / script.name)
     # python3 on PATH (the sweep runs under `timeout`, so a shell function would not stand in): device_env.sh's
     # install does nothing, the spill check (-m gemv_dispatch.kernels.ptxas) passes, the sweep writes its arguments
     # to $OUT/args.
@@ -31,8 +31,8 @@ def call(tree: Path, out: Path) -> subprocess.CompletedProcess:
     stub.chmod(0o755)
     out.mkdir(exist_ok=True)
     env = {**os.environ, "OUT": str(out), "PATH": f"{stub.parent}{os.pathsep}{os.environ['PATH']}"}
-    return subprocess.run(["bash", "bench/sweep_on_device.sh", "all", "1", "graph", "30", "", "sw/corpus"], cwd=tree,
-                          env=env, capture_output=True, text=True, timeout=60)
+    return subprocess.run(["bash", "lab/device/sweep_on_device.sh", "all", "1", "graph", "30", "", "sw/corpus"],
+                          cwd=tree, env=env, capture_output=True, text=True, timeout=60)
 
 
 def carried_tarball(tree: Path, manifest: str) -> None:

@@ -107,6 +107,11 @@ def best_single_ratios(meas: Measurements) -> dict[LaunchKey, float]:
     return dict(sorted(out.items()))
 
 
+def mmvq_ratios(meas: Measurements) -> dict[LaunchKey, float]:
+    """Regret ratios of MMVQ_RULE on the cells of `meas`."""
+    return _ratios(meas, lambda key: mmvq_pick(key[1], key[2], key[3]))
+
+
 def invariant_ratios(meas: Measurements, chosen: Mapping[tuple[str, int, int], int]) -> dict[LaunchKey, float]:
     """Price of invariance per cell: the best launch of the chosen identity over the unconstrained best."""
     out = {}
@@ -170,7 +175,7 @@ def evaluate(corpus: Corpus, options: TrainOptions | None = None, inventories: l
         "fallback-cv": dict(sorted(cv.items())),
         "fallback-holdout": policy_ratios(frozen, test_meas, overlays=False),
         "best-single": best_single_ratios(meas),
-        "mmvq": _ratios(meas, lambda key: mmvq_pick(key[1], key[2], key[3])),
+        "mmvq": mmvq_ratios(meas),
         "invariant-oracle": invariant,
     }
     noise = meas.noise_rel

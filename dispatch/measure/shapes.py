@@ -99,7 +99,7 @@ class Inventory:
 
 
 def default_inventory_dir() -> Path:
-    """The shipped inventories (dispatch.paths.shapes_dir)."""
+    """The shipped inventories (dispatch.common.paths.shapes_dir)."""
     return paths.shapes_dir()
 
 

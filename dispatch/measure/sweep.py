@@ -3,14 +3,14 @@
 Default plan (`parse_plan()` with no arguments): the union of the (N, K) geometries of every model inventory
 in corpus/shapes/ (the synthetic grid is left out; pass it with --shapes), every codebook (a super-block one
 where K is a multiple of 256), M in {1, 4, 16}, graph mode, `sweep_timing()` (cold L2, racing on, at most 15
-rounds). Its cell count and wall time on an H200 are in the README.
+rounds). Its cell count and wall time on an H200 are in docs/architecture.md.
 Inventories from `shapes from-gguf` are typed: each of their shapes is swept in its own GGUF types (typed_cells).
 
 Each finished cell becomes one staged shard (corpus.stage_shard: no manifest rewrite per cell), so an
 interruption loses at most the cell in flight; a rerun adopts the staged shards and skips the cells the corpus
 holds complete under the same provenance key (resume). A GPU is timed by one sweep at a time (gpulock). With
 several devices, the parent splits the plan round robin by weight geometry, runs one child process per GPU,
-and compacts at the end. A Ray cluster of many hosts and GPU models is swept by dispatch/fleet.py (`--ray`).
+and compacts at the end. A Ray cluster of many hosts and GPU models is swept by dispatch/measure/fleet.py (`--ray`).
 """
 
 from __future__ import annotations

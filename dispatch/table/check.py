@@ -1,4 +1,4 @@
-"""`gemv-dispatch check` (docs/policy.md §9): re-run the certification checks (dispatch/certify.py) on a table, here.
+"""`gemv-dispatch check` (docs/policy.md §9): re-run the certification checks (table/certify.py) on a table, here.
 
 The table's own module decides (not the policy it came from), over the shapes its certificate covered, on
 this machine's GPU, or on the emulator where there is none. Any difference is reported with its shape, M,

@@ -4,7 +4,7 @@
 deterministic for the same policy, tool version and inventory digest. What is rendered is the policy itself,
 not precomputed answers, so `select` stays total: the candidates table, both fallback trees as node arrays
 walked node by node, the overlays, the registry's validity rule, the identity function and the shape
-features (dispatch.features), each re-implemented with integer operations only. The C header uses int64 and
+features (dispatch.learn.features), each re-implemented with integer operations only. The C header uses int64 and
 accepts M, N, K up to 2^31 - 1, where every intermediate (N·K·block bytes, 64·N, ...) stays below 2^63.
 
 Order of work, because a certificate binds the module's digest: `render` -> `certify.certify(policy,
@@ -35,7 +35,7 @@ from .bundle import CERTIFICATE, HEADER, MODULE, certificate_bytes, read_certifi
 from .certify import inventories_digest, policy_digests
 
 FAMILIES = ("wide", "direct", "kpar")
-# The shape features the templates implement, in dispatch.features order. A policy whose trees use a feature
+# The shape features the templates implement, in dispatch.learn.features order. A policy whose trees use a feature
 # the templates do not know is refused (render) rather than rendered wrong.
 RENDERED_IDENTITY_FEATURES = ("block_bytes", "asymmetric", "high_bits", "table", "n", "k", "nk", "weight_kib",
                               "n_per_k_x64", "k_per_n_x64", "waves_x64")
@@ -92,7 +92,7 @@ def context(policy: Policy, inventories: str) -> dict[str, Any]:
     """Everything the templates render, as plain sorted data (the source of determinism)."""
     if (features.IDENTITY_FEATURES, features.LAUNCH_FEATURES) != (RENDERED_IDENTITY_FEATURES,
                                                                      RENDERED_LAUNCH_FEATURES):
-        raise InputError("dispatch.features changed: the templates implement "
+        raise InputError("dispatch.learn.features changed: the templates implement "
                          f"{RENDERED_LAUNCH_FEATURES}, the policy code {features.LAUNCH_FEATURES}")
     candidates = registry.CANDIDATES
     index = {c.id: i for i, c in enumerate(candidates)}
