@@ -285,6 +285,8 @@ def _combine(records: Iterable[Record]) -> list[Record]:
 
 
 def _require(folder: Path) -> None:
+    if folder.exists() and not folder.is_dir():
+        raise InputError(f"{folder}: a file, not a corpus folder")
     if not folder.is_dir():
         raise InputError(f"{folder}: no such corpus folder")
 

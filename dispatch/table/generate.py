@@ -15,7 +15,6 @@ renders again and refuses a certificate that does not bind the rendered bytes.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,10 +27,11 @@ from ...kernels.errors import BLOCK, InputError
 from .. import __version__
 from ..common.contract import MODES
 from ..common.digests import sha256
+from ..common.files import read_input, write_files
 from ..common.gpu import gpu_slug
 from ..learn import features
 from ..learn.policy import CANONICAL_WIDE, Policy, canonical_kpar
-from .bundle import CERTIFICATE, HEADER, MODULE, certificate_bytes, read_certificate
+from .bundle import CERTIFICATE, HEADER, MODULE, POLICY, certificate_bytes, read_certificate
 from .certify import inventories_digest
 
 FAMILIES = ("wide", "direct", "kpar")
@@ -159,26 +159,30 @@ def check_binding(rendered: Mapping[str, bytes], cert: Mapping[str, Any], where:
         raise InputError(f"{where}: the certificate records failed checks: {', '.join(failed) or 'incomplete'}")
 
 
-def write(folder: Path, rendered: Mapping[str, bytes], cert: Mapping[str, Any]) -> Path:
-    """Write the rendered files and the certificate into `folder` (created), each file replaced atomically."""
+def write(folder: Path, rendered: Mapping[str, bytes], cert: Mapping[str, Any], policy: Policy) -> Path:
+    """Write the rendered files, the certificate and the policy (policy.json) into `folder`, created with its
+    missing parents: every file staged before the first is replaced (common.files.write_files), and a folder
+    this call made is removed again when writing fails, so a failure leaves the files as they were."""
     check_binding(rendered, cert, str(folder))
+    if folder.exists() and not folder.is_dir():
+        raise InputError(f"{folder}: a file; name the folder to write the table into")
+    made = [p for p in (folder, *folder.parents) if not p.exists()]
     folder.mkdir(parents=True, exist_ok=True)
-    for name, data in {**rendered, CERTIFICATE: certificate_bytes(cert)}.items():
-        path = folder / name
-        tmp = folder / f".{name}.tmp"
-        try:
-            tmp.write_bytes(data)
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
+    try:
+        write_files(folder, {**rendered, CERTIFICATE: certificate_bytes(cert), POLICY: policy.to_bytes()})
+    except BaseException:
+        for path in made:  # deepest first; stops at the first that another writer has filled meanwhile
+            try:
+                path.rmdir()
+            except OSError:
+                break
+        raise
     return folder
 
 
 def generate(policy: Policy, cert_path: Path, folder: Path) -> Path:
-    """`gemv-dispatch generate`: render `policy`, check that the certificate binds the result, write both."""
-    try:
-        data = cert_path.read_bytes()
-    except FileNotFoundError:
-        raise InputError(f"{cert_path}: no such certificate (run `gemv-dispatch certify` first)") from None
+    """`gemv-dispatch generate`: render `policy`, check that the certificate binds the result, write the table
+    and the policy beside it (as `tune` does)."""
+    data = read_input(cert_path, "certificate", " (run `gemv-dispatch certify` first)")
     cert = read_certificate(data, str(cert_path))
-    return write(folder, render(policy), cert)
+    return write(folder, render(policy), cert, policy)
