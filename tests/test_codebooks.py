@@ -769,6 +769,8 @@ def test_codebook_names_in_any_case_reach_one_spelling_everywhere(tmp_path):
     assert inv.shapes[0].codebooks == ("IQ4_NL", "Q4_K")
     blocks = cb.quantize("Q4_0", np.ones((2, 64), np.float32))
     assert (pack("q4_0", blocks, 2, 64).codebook, pack("q4_0", blocks, 2, 64).execution) == ("Q4_0", "q4_0")
-    for bad in (lambda: cb.execution_key("q3_k"), lambda: parse_plan("q3_k"), lambda: cb.get(7)):
+    kelvin = "Q4_\u212a"  # folds to q4_k under str.lower(); ASCII folding, as in the C header, refuses it
+    for bad in (lambda: cb.execution_key("q3_k"), lambda: parse_plan("q3_k"), lambda: cb.get(7),
+                lambda: cb.get(kelvin), lambda: cb.execution_key(kelvin)):
         with pytest.raises(InputError, match=r"; known: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q4_K, .*, IQ4_XS"):
             bad()
