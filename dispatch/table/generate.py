@@ -23,6 +23,7 @@ from typing import Any
 import jinja2
 
 from ...kernels import registry
+from ...kernels.codebooks import formats_of, get
 from ...kernels.errors import BLOCK, InputError
 from .. import __version__
 from ..common.contract import MODES
@@ -123,6 +124,13 @@ def context(policy: Policy, inventories: str) -> dict[str, Any]:
         "launch_features": list(RENDERED_LAUNCH_FEATURES),
         "codebooks": [(cb, [features.codebook_features(cb)[f] for f in features.CODEBOOK_FEATURES])
                       for cb in codebooks],
+        # What select takes for a codebook: its execution key or the GGUF type name of a format of that key, in
+        # any (ASCII) case; lower-case names with the index of their key, sorted. And per key, the weights of a
+        # GGUF block (K must be a multiple: 256 for a super-block format) and the formats it stands for.
+        "codebook_names": sorted({(name, i) for i, cb in enumerate(codebooks)
+                                  for name in (cb, *(f.lower() for f in formats_of(cb)))}),
+        "codebook_blocks": [(max(get(f).weights for f in formats_of(cb)), "/".join(formats_of(cb)))
+                            for cb in codebooks],
         "candidates": [(c.id, FAMILIES.index(c.family), c.ksplit, c.threads, c.cpt, c.mma_tiles, int(c.staged))
                        for c in candidates],
         "canonical_wide": index[CANONICAL_WIDE],
