@@ -27,6 +27,12 @@ def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
         except (InputError, FileNotFoundError) as err:
             click.echo(f"error: {err}", err=True)
             sys.exit(2)
+        except (IsADirectoryError, NotADirectoryError) as err:  # a folder given for a file, or the reverse
+            where = f"{err.filename}: " if err.filename else ""
+            kind = ("a folder where a file was expected" if isinstance(err, IsADirectoryError) else
+                    "a file stands where this path needs a folder")
+            click.echo(f"error: {where}{kind}", err=True)
+            sys.exit(2)
         except EnvironmentProblem as err:
             click.echo(f"error: {err}", err=True)
             sys.exit(3)
@@ -56,6 +62,28 @@ def info(as_json: bool) -> None:
         return
     for key, value in report.items():
         click.echo(f"{key:>14}: {value}")
+
+
+@main.command("paths")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
+def paths_command(as_json: bool) -> None:
+    """Where this installation keeps things: the shipped shape inventories, corpora and tables, the work folder
+    (where sweep and generate write), the installed tables (install, the runtime) and the sweep locks, each with
+    the environment variable that moves it. A GPU model name such as nvidia-h200 stands for its corpus or table
+    folder wherever a command takes one: looked up in the work folder, then in the shipped data."""
+    from .common import paths
+
+    report = paths.describe()
+    report |= {"gpu_models_with_a_corpus": paths.known("corpus"), "gpu_models_with_a_table": paths.known("generated")}
+    if as_json:
+        click.echo(json.dumps(report, indent=1, sort_keys=True))
+        return
+    env = {"shapes": paths.DATA_ENV, "shipped_corpora": paths.DATA_ENV, "shipped_tables": paths.DATA_ENV,
+           "work_folder": paths.HOME_ENV, "work_corpora": paths.HOME_ENV, "work_generated": paths.HOME_ENV,
+           "installed_tables": paths.TABLES_ENV, "locks": paths.LOCKS_ENV}
+    for key, value in report.items():
+        shown = (", ".join(value) or "none") if isinstance(value, list) else value
+        click.echo(f"{key.replace('_', ' '):>25}: {shown}" + (f"  (${env[key]})" if key in env else ""))
 
 
 @main.group()
@@ -115,12 +143,47 @@ def shapes_from_gguf(model: Path, output: Path | None, as_json: bool) -> None:
             click.echo(f"{s.role:<14} n={s.n:<8} k={s.k:<8} {','.join(s.codebooks)}".rstrip())
 
 
-@main.command("sweep")
-@click.option("--corpus-root", type=click.Path(file_okay=False, path_type=Path),
+def _default_plan() -> str:
+    """The default sweep plan in words, counted from the shipped inventories and the codebook registry now."""
+    from ..kernels.codebooks import CODEBOOKS, SUPERBLOCK, SUPERBLOCK_WEIGHTS
+    from .measure import sweep
+
+    try:
+        plan = sweep.parse_plan()
+    except InputError as err:
+        return f"the model inventories (unreadable here: {err})"
+    whole = sum(k % SUPERBLOCK_WEIGHTS == 0 for _, k in plan.geometries)
+    ms = ", ".join(map(str, plan.ms))
+    return (f"the {len(plan.geometries)} (N, K) geometries of every model inventory in corpus/shapes/, all "
+            f"{len(CODEBOOKS)} codebooks (the {len(SUPERBLOCK)} super-block ones on the {whole} whose K is a multiple "
+            f"of {SUPERBLOCK_WEIGHTS}), M in {{{ms}}}, {', '.join(plan.modes)} mode, cold L2, racing: "
+            f"{len(plan.cells())} cells")
+
+
+class _PlanHelp(click.Command):
+    """A command whose help states the default plan as counted when the help is shown, never as stale text."""
+
+    def format_help_text(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        if self.help and "{plan}" in self.help:
+            self.help = self.help.replace("{plan}", _default_plan())
+        super().format_help_text(ctx, formatter)
+
+
+def _root(folder: Path | None, default: Path) -> Path:
+    """A folder to write below (created when missing); InputError, one line, when it is a file."""
+    root = folder if folder is not None else default
+    if root.exists() and not root.is_dir():
+        raise InputError(f"{root}: a file, not a folder to write below")
+    return root
+
+
+@main.command("sweep", cls=_PlanHelp)
+@click.option("--corpus-root", type=click.Path(path_type=Path),
               help="Folder that holds one corpus folder per GPU model [default: corpus/ of the work folder, "
               "see dispatch.common.paths: GEMV_DISPATCH_HOME, the source checkout, or ~/.local/share/gemv-dispatch].")
 @click.option("--replay", type=click.Path(path_type=Path),
-              help="Serve timings from this corpus folder instead of a GPU (CPU runs and tests).")
+              help="Serve timings from this corpus folder, or the corpus of a GPU model (e.g. nvidia-h200: see "
+              "`gemv-dispatch paths`), instead of a GPU (CPU runs and tests).")
 @click.option("--devices", help="CUDA device ids, e.g. 0,1: one child process per GPU, geometries dealt "
               "round robin, one compaction at the end.")
 @click.option("--ray", "ray_address", is_flag=False, flag_value="", metavar="[ADDRESS]",
@@ -145,12 +208,10 @@ def sweep_command(corpus_root: Path | None, replay: Path | None, devices: str | 
                   wait: bool, as_json: bool, device_index: int | None, device_count: int, replay_delay: float) -> None:
     """Time every candidate kernel over (codebook, M, N, K, mode) cells into CORPUS_ROOT/<gpu>/.
 
-    Default plan: the (N, K) of every model inventory in corpus/shapes/, all six codebooks, M in {1, 4, 16},
-    graph mode, cold L2, racing: 1728 cells, about 6.5 minutes on one H200. One shard per finished cell: an
-    interrupted sweep loses at most the cell in flight, and a rerun skips the cells already measured with the
-    same provenance (GPU, driver, kernel sources, tool, timing parameters). One sweep per GPU at a time.
-    Progress and ETA go to stderr."""
-    from .common.paths import home_dir
+    Default plan: {plan}. One shard per finished cell: an interrupted sweep loses at most the cell in flight,
+    and a rerun skips the cells already measured with the same provenance (GPU, driver, kernel sources, tool,
+    timing parameters). One sweep per GPU at a time. Progress and an ETA go to stderr."""
+    from .common.paths import home_dir, resolve
     from .measure import sweep
     from .measure.corpus import load
 
@@ -162,7 +223,8 @@ def sweep_command(corpus_root: Path | None, replay: Path | None, devices: str | 
     if ray_address is not None and devices is not None:
         raise InputError("--ray and --devices exclude each other: a Ray cluster deals out its own GPUs")
     plan = sweep.parse_plan(codebooks, ms, modes, shape_paths, limit, hot)
-    root = corpus_root if corpus_root is not None else home_dir() / "corpus"
+    root = _root(corpus_root, home_dir() / "corpus")
+    replay = resolve(replay, "corpus") if replay is not None else None
     if ray_address is not None:
         from .measure import fleet
 
@@ -202,11 +264,14 @@ def corpus_group() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the counts as one JSON object.")
 @user_errors
 def corpus_check(folder: Path, as_json: bool) -> None:
-    """Verify FOLDER (e.g. corpus/nvidia-h200): every shard's SHA-256 against the manifest, no unlisted or
-    missing shard, well-formed records, one GPU model; print the counts, and how many records are stale (timed
-    with code the kernels no longer run: a sweep re-times those candidates, training leaves them out)."""
+    """Verify FOLDER (a corpus folder, or a GPU model such as nvidia-h200): every shard's SHA-256 against the
+    manifest, no unlisted or missing shard, well-formed records, one GPU model; print the counts, and how many
+    records are stale (timed with code the kernels no longer run: a sweep re-times those candidates, training
+    leaves them out)."""
+    from .common.paths import resolve
     from .measure.corpus import load
 
+    folder = resolve(folder, "corpus")
     loaded = load(folder)
     current = set(loaded.current)
     provenances = {
@@ -244,11 +309,12 @@ def corpus_compact(folder: Path) -> None:
 
 
 def _corpus_folder(folder: Path | None) -> Path:
-    """FOLDER, else the one committed corpus folder of the reference data (an error if there are several)."""
-    from .common.paths import data_dir
+    """FOLDER (or the corpus of a GPU model named so: common.paths.resolve), else the one committed corpus
+    folder of the reference data (an error if there are several)."""
+    from .common.paths import data_dir, resolve
 
     if folder is not None:
-        return folder
+        return resolve(folder, "corpus")
     found = sorted(p.parent for p in (data_dir() / "corpus").glob("*/manifest.json"))
     if len(found) != 1:
         raise InputError(f"name a CORPUS folder ({len(found)} corpora under {data_dir() / 'corpus'})")
@@ -267,7 +333,7 @@ PROFILE_OPTION = click.option("--profile", help="M profile as M:WEIGHT pairs, e.
 
 @main.command("train")
 @click.argument("corpus_folder", required=False, type=click.Path(path_type=Path))
-@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, path_type=Path),
+@click.option("-o", "--output", required=True, type=click.Path(path_type=Path),
               help="Policy file to write (canonical JSON).")
 @PROFILE_OPTION
 @user_errors
@@ -275,9 +341,11 @@ def train_command(corpus_folder: Path | None, output: Path, profile: str | None)
     """Learn a dispatch policy from CORPUS_FOLDER [default: the committed corpus]: one identity per
     (codebook, N, K) over the M profile, a decision-tree fallback for every shape, exact overlays.
     Same corpus and options give the same bytes."""
+    from .common.files import check_output
     from .learn import train
     from .measure.corpus import load
 
+    check_output(output, "policy")
     options = train.TrainOptions(profile=_profile(profile))
     policy, notes = train.train(load(_corpus_folder(corpus_folder)), options)
     for note in notes:
@@ -292,7 +360,7 @@ def train_command(corpus_folder: Path | None, output: Path, profile: str | None)
 @PROFILE_OPTION
 @click.option("--folds", type=click.IntRange(2), default=5, show_default=True, help="Grouped CV folds.")
 @click.option("--json", "as_json", is_flag=True, help="Print the whole report as one JSON object.")
-@click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), help="Write the regret CDF here "
+@click.option("--plot", type=click.Path(path_type=Path), help="Write the regret CDF here "
               "(needs the `plot` extra: matplotlib).")
 @user_errors
 def evaluate_command(corpus_folder: Path | None, profile: str | None, folds: int, as_json: bool,
@@ -303,6 +371,9 @@ def evaluate_command(corpus_folder: Path | None, profile: str | None, folds: int
     from .measure.corpus import load
 
     if plot is not None:
+        from .common.files import check_output
+
+        check_output(plot, "plot")
         evaluate.require_matplotlib()  # fail before minutes of fitting, not after
     report = evaluate.evaluate(load(_corpus_folder(corpus_folder)), train.TrainOptions(profile=_profile(profile)),
                                folds=folds)
@@ -322,10 +393,11 @@ def evaluate_command(corpus_folder: Path | None, profile: str | None, folds: int
 @click.argument("n", type=int)
 @click.argument("k", type=int)
 @click.option("--mode", type=click.Choice(MODES), default="graph", show_default=True)
-@click.option("--policy", "policy_path", type=click.Path(dir_okay=False, path_type=Path),
+@click.option("--policy", "policy_path", type=click.Path(path_type=Path),
               help="Policy file [default: train one on the corpus now].")
 @click.option("--corpus", "corpus_folder", type=click.Path(path_type=Path),
-              help="Corpus for the neighbours and the time model [default: the committed corpus].")
+              help="Corpus folder, or a GPU model, for the neighbours and the time model [default: the committed "
+              "corpus].")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @user_errors
 def explain_command(codebook: str, m: int, n: int, k: int, mode: str, policy_path: Path | None,
@@ -337,8 +409,9 @@ def explain_command(codebook: str, m: int, n: int, k: int, mode: str, policy_pat
     from .measure.corpus import load
 
     policy.check_arguments(codebook, m, n, k, mode)  # before minutes of loading and training
+    given = policy.load(policy_path) if policy_path is not None else None
     corpus = load(_corpus_folder(corpus_folder))
-    chosen = policy.load(policy_path) if policy_path is not None else train.train(corpus)[0]
+    chosen = given or train.train(corpus)[0]
     out = explain(chosen, corpus, codebook, m, n, k, mode)
     if as_json:
         click.echo(json.dumps(out, indent=1, sort_keys=True))
@@ -360,7 +433,7 @@ def explain_command(codebook: str, m: int, n: int, k: int, mode: str, policy_pat
 DEVICE_OPTION = click.option("--device", type=click.Choice(["auto", "gpu", "emulator"]), default="auto",
                              show_default=True, help="Where launches run: the GPU (CuPy, device 0), the CPU "
                              "emulator (emulator-level), or the GPU when there is one.")
-TABLES_OPTION = click.option("--tables", type=click.Path(file_okay=False, path_type=Path),
+TABLES_OPTION = click.option("--tables", type=click.Path(path_type=Path),
                              help="Install location [default: $GEMV_DISPATCH_TABLES, else "
                              "~/.local/share/gemv-dispatch/tables].")
 
@@ -370,12 +443,47 @@ def _echo_lines(lines: list[str]) -> None:
         click.echo(line)
 
 
+def _gpu_model(source: Path | None, option: str) -> str:
+    """The GPU model (its slug) `install --rollback` or `check --installed` acts on: this machine's GPU without
+    SOURCE; else SOURCE as a GPU model (nvidia-h200, "NVIDIA H200") or a table folder whose certificate names
+    the model. Never a folder's bare name: InputError, one line, for a folder without a certificate, a file, or
+    a name that is both a model and a folder here holding another model's table."""
+    from .common.gpu import current_gpu, gpu_slug
+    from .table import bundle
+
+    if source is None:
+        here = current_gpu()
+        if here is None:
+            raise InputError(f"{option} on a machine without a GPU needs the GPU model, e.g. nvidia-h200")
+        return gpu_slug(here["name"])
+    bare = len(source.parts) == 1  # can be a model name; a path with a folder in it is a folder
+    named = gpu_slug(str(source)) if bare else None
+    if source.is_dir():
+        cert_path = source / bundle.CERTIFICATE
+        if not cert_path.is_file() and bare:
+            raise InputError(f"{source}: ambiguous: a GPU model, or the folder here, which holds no "
+                             f"{bundle.CERTIFICATE}; name the model from another folder")
+        if not cert_path.is_file():
+            raise InputError(f"{source}: a folder without {bundle.CERTIFICATE}, so it names no GPU model; pass the "
+                             "model (e.g. nvidia-h200) or a table folder")
+        gpu_name = str(bundle.read_certificate(cert_path.read_bytes(), str(cert_path))["gpu_name"])
+        if named is not None and named != gpu_slug(gpu_name):
+            raise InputError(f"{source}: ambiguous: the GPU model {named}, or the folder here holding a table for "
+                             f"{gpu_name}; pass {source.resolve()} for the folder")
+        return gpu_slug(gpu_name)
+    if source.exists():
+        raise InputError(f"{source}: a file; pass a GPU model (e.g. nvidia-h200) or a table folder")
+    if named is None:
+        raise InputError(f"{source}: no such table folder; pass a GPU model (e.g. nvidia-h200) or a table folder")
+    return named
+
+
 @main.command("certify")
 @click.argument("policy_path", metavar="POLICY", type=click.Path(path_type=Path))
-@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True,
+@click.option("-o", "--output", type=click.Path(path_type=Path), required=True,
               help="Certificate file to write (JSON).")
-@click.option("--corpus", "corpus_folder", type=click.Path(file_okay=False, path_type=Path),
-              help="The corpus folder the policy was trained on: refused if its manifest differs.")
+@click.option("--corpus", "corpus_folder", type=click.Path(path_type=Path),
+              help="The corpus folder (or GPU model) the policy was trained on: refused if its manifest differs.")
 @DEVICE_OPTION
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of weights, activations and samples.")
 @click.option("--carry", "carry_from", type=click.Path(path_type=Path),
@@ -387,12 +495,15 @@ def certify_command(policy_path: Path, output: Path, corpus_folder: Path | None,
     """Certify POLICY (docs/policy.md §7): every table shape and a seeded sample of unmeasured ones, every M in
     {1..16, 31}, both modes: grouped == serial M=1 bytes, repeat, permutation, poison, emulator equality,
     negative control, spill-free kernels. Exit 1 when a check fails (the certificate records it)."""
-    from .common.files import write_atomic
+    from .common.files import check_output, write_atomic
+    from .common.paths import resolve
     from .learn import policy
     from .table import bundle, carry, certify, generate
 
     loaded = policy.load(policy_path)
-    previous = bundle.verify(carry_from) if carry_from is not None else None
+    check_output(output, "certificate")  # before the minutes certification takes
+    corpus_folder = resolve(corpus_folder, "corpus") if corpus_folder is not None else None
+    previous = bundle.verify(resolve(carry_from, "generated")) if carry_from is not None else None
     with certify.runner_for(device, seed) as runner:
         if previous is not None:
             cert = carry.carry(loaded, generate.render(loaded), previous, runner, corpus_folder=corpus_folder)
@@ -407,14 +518,15 @@ def certify_command(policy_path: Path, output: Path, corpus_folder: Path | None,
 
 @main.command("generate")
 @click.argument("policy_path", metavar="POLICY", type=click.Path(path_type=Path))
-@click.option("--cert", "cert_path", type=click.Path(dir_okay=False, path_type=Path), required=True,
+@click.option("--cert", "cert_path", type=click.Path(path_type=Path), required=True,
               help="The certificate `certify` wrote for POLICY.")
-@click.option("-o", "--output", type=click.Path(file_okay=False, path_type=Path),
+@click.option("-o", "--output", type=click.Path(path_type=Path),
               help="Folder to write [default: generated/<gpu-slug>/ of the work folder].")
 @user_errors
 def generate_command(policy_path: Path, cert_path: Path, output: Path | None) -> None:
-    """Render POLICY as dispatch_table.py (standard library only) and dispatch_table.h (C99) with its
-    certificate; refused unless the certificate passed and binds exactly the rendered bytes."""
+    """Render POLICY as dispatch_table.py (standard library only) and dispatch_table.h (C99) and write them with
+    the certificate and POLICY (as policy.json, like `tune`); refused unless the certificate passed and binds
+    exactly the rendered bytes."""
     from .common.gpu import gpu_slug
     from .common.paths import home_dir
     from .learn import policy
@@ -423,64 +535,57 @@ def generate_command(policy_path: Path, cert_path: Path, output: Path | None) ->
     loaded = policy.load(policy_path)
     folder = output or home_dir() / "generated" / gpu_slug(str(loaded.source.get("gpu_name")))
     generate.generate(loaded, cert_path, folder)
-    click.echo(f"{folder}: {', '.join(bundle.FILES)}")
+    click.echo(f"{folder}: {', '.join((*bundle.FILES, bundle.POLICY))}")
 
 
 @main.command("install")
 @click.argument("source", required=False, type=click.Path(path_type=Path))
 @TABLES_OPTION
-@click.option("--rollback", is_flag=True, help="Make the previous table current again (SOURCE: the GPU model or "
-              "its generated folder; default: this machine's GPU).")
+@click.option("--rollback", is_flag=True, help="Make the previous table current again (SOURCE: the GPU model, e.g. "
+              "nvidia-h200, or a table folder whose certificate names it; default: this machine's GPU).")
 @user_errors
 def install_command(source: Path | None, tables: Path | None, rollback: bool) -> None:
-    """Install the certified table in SOURCE (generated/<gpu-slug>/) for the runtime, atomically, keeping
-    the previous one. Refused: a missing, edited or failed certificate, an edited module, other kernel
-    sources, another GPU model than this machine's, another install in progress."""
-    from .common.gpu import current_gpu
+    """Install the certified table in SOURCE (a table folder such as generated/nvidia-h200/, or a GPU model
+    whose table the work folder or the shipped data hold) for the runtime, atomically, keeping the previous one.
+    Refused: a missing, edited or failed certificate, an edited module, other kernel sources, another GPU model
+    than this machine's, another install in progress."""
+    from .common.paths import resolve, tables_dir
     from .serve import install
 
+    tables = _root(tables, tables_dir())
     if rollback:
-        if source is None:
-            here = current_gpu()
-            if here is None:
-                raise InputError("--rollback needs the GPU model (e.g. nvidia-h200) on a machine without a GPU")
-            name = here["name"]
-        else:
-            name = source.name
-        done = install.rollback(name, tables)
+        done = install.rollback(_gpu_model(source, "--rollback"), tables)
     else:
         if source is None:
-            raise InputError("name the table folder to install, e.g. generated/nvidia-h200/")
-        done = install.install(source, tables)
+            raise InputError("name the table folder to install, e.g. generated/nvidia-h200/ or nvidia-h200")
+        done = install.install(resolve(source, "generated"), tables)
     click.echo(f"{done.folder}: current is {done.version}, previous {done.previous or 'none'} ({done.note})")
 
 
 @main.command("check")
 @click.argument("source", required=False, type=click.Path(path_type=Path))
 @click.option("--installed", is_flag=True, help="Check the table installed for this machine's GPU (or, without "
-              "one, SOURCE names the GPU model).")
+              "one, for the GPU model SOURCE names).")
 @TABLES_OPTION
 @DEVICE_OPTION
 @user_errors
 def check_command(source: Path | None, installed: bool, tables: Path | None, device: str) -> None:
-    """Re-run the certification checks on a table here: SOURCE (generated/<gpu-slug>/) or --installed.
-    Prints a per-codebook summary; exit 1 on any difference, naming the shape, M and first differing element."""
-    from .common.gpu import current_gpu, gpu_slug
-    from .common.paths import tables_dir
+    """Re-run the certification checks on a table here: SOURCE (a table folder such as generated/nvidia-h200/,
+    or a GPU model) or --installed. Prints a per-codebook summary; exit 1 on any difference, naming the shape, M
+    and first differing element."""
+    from .common.gpu import current_gpu
+    from .common.paths import resolve, tables_dir
     from .serve import install
     from .table import bundle, certify, check
 
     if installed:
-        here = current_gpu()
-        model = here["name"] if here else (source.name if source else None)
-        if model is None:
-            raise InputError("--installed on a machine without a GPU needs the GPU model, e.g. nvidia-h200")
-        link = (tables or tables_dir()) / gpu_slug(model) / install.CURRENT
+        model = _gpu_model(source if current_gpu() is None else None, "--installed")
+        link = _root(tables, tables_dir()) / model / install.CURRENT
         if not link.is_symlink():
             raise InputError(f"{link}: no table is installed for {model}")
         table = bundle.verify(link.resolve())
     elif source is not None:
-        table = bundle.verify(source)
+        table = bundle.verify(resolve(source, "generated"))
     else:
         raise InputError("name a table folder (generated/<gpu-slug>/) or pass --installed")
     runner = certify.runner_for(device, int(table.certificate["seed"]))
@@ -500,11 +605,12 @@ def check_command(source: Path | None, installed: bool, tables: Path | None, dev
 
 
 @main.command("tune")
-@click.option("--corpus-root", type=click.Path(file_okay=False, path_type=Path),
+@click.option("--corpus-root", type=click.Path(path_type=Path),
               help="Folder of the corpus folders [default: corpus/ of the work folder; a temp folder with --replay].")
 @click.option("--replay", type=click.Path(path_type=Path),
-              help="Serve timings from this corpus folder instead of sweeping a GPU.")
-@click.option("--generated", "generated_root", type=click.Path(file_okay=False, path_type=Path),
+              help="Serve timings from this corpus folder, or a GPU model's corpus (e.g. nvidia-h200), instead of "
+              "sweeping a GPU.")
+@click.option("--generated", "generated_root", type=click.Path(path_type=Path),
               help="Where generated/<gpu-slug>/ goes [default: generated/ of the work folder].")
 @TABLES_OPTION
 @click.option("--codebooks", default=DEFAULT_CODEBOOKS, show_default=True, help="Sweep: comma list, or 'all'.")
@@ -520,11 +626,12 @@ def tune_command(corpus_root: Path | None, replay: Path | None, generated_root: 
     (nothing installed unless every stage passed). Without a GPU: the embedded default (replay of the
     committed corpus/nvidia-h200/, emulator-level certification, the regenerated module compared with the
     committed generated/nvidia-h200/; nothing installed)."""
+    import dataclasses
     import tempfile
 
     from . import tune
     from .common.gpu import Gpu, current_gpu
-    from .common.paths import home_dir
+    from .common.paths import home_dir, resolve, tables_dir
     from .measure import sweep
     from .measure.corpus import load
     from .table import certify
@@ -547,20 +654,23 @@ def tune_command(corpus_root: Path | None, replay: Path | None, generated_root: 
             click.echo(f"not reproduced: {', '.join(failed)}")
             sys.exit(1)
         return
+    generated_root = _root(generated_root, home_dir() / "generated")
+    tables = _root(tables, tables_dir())
     with tempfile.TemporaryDirectory(prefix="gemv-dispatch-replay-") as tmp:
         gpu = None
         if replay is not None:
-            source = load(replay)
+            source = load(resolve(replay, "corpus"))
             plans, timer = tune.replay_plans(source), sweep.ReplayTimer(source)
-            root = corpus_root or Path(tmp)
+            root = _root(corpus_root, Path(tmp))
         else:
             plans = [sweep.parse_plan(codebooks, ms, modes, shape_paths)]
             gpu = Gpu.open()  # one device object: the sweep's timer and the certifier's runner share it
-            timer, root = sweep.GpuTimer(plans[0].timing, gpu), corpus_root or home_dir() / "corpus"
+            timer, root = sweep.GpuTimer(plans[0].timing, gpu), _root(corpus_root, home_dir() / "corpus")
         runner = certify.runner_for("auto", seed, gpu)
-        result = tune.tune(plans, root, timer, runner, generated_root or home_dir() / "generated", tables, seed=seed,
-                           log=log)
-        _echo_lines(result.lines())
+        result = tune.tune(plans, root, timer, runner, generated_root, tables, seed=seed, log=log)
+        if root == Path(tmp):  # the summary must not name a folder that is gone once it is read
+            result = dataclasses.replace(result, replayed=source.folder)
+    _echo_lines(result.lines())
 
 
 if __name__ == "__main__":  # `python -m gemv_dispatch.dispatch.cli`: how a --devices sweep starts its children

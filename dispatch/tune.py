@@ -27,7 +27,7 @@ from .measure.sweep import SweepPlan, Timer, run_sweep
 from .serve import install
 from .table import bundle, certify, generate
 
-POLICY = "policy.json"
+POLICY = bundle.POLICY
 
 
 class StageFailed(InputError):
@@ -49,13 +49,15 @@ class TuneResult:
     reproduced: bool | None  # embedded default: module and header equal the committed ones (None: nothing to compare)
     mismatch: str = ""  # when not reproduced: where the regenerated policy departs from the committed one
     committed: Path | None = None  # embedded default: the committed table it was compared with
+    replayed: Path | None = None  # the replay source, when the corpus was a temporary folder removed at the end
 
     def lines(self) -> list[str]:
         """The final summary, one fact a line."""
         cert = self.certificate
         checks = ", ".join(f"{name} {c['result']}" for name, c in cert["checks"].items())
+        where = f"a replay of {self.replayed} in a temporary folder (removed)" if self.replayed else self.corpus
         out = [
-            f"corpus: {self.corpus} ({self.cells} cells)",
+            f"corpus: {where} ({self.cells} cells)",
             f"policy: {len(self.policy.identity_overlays)} identity and {len(self.policy.launch_overlays)} launch "
             f"overlays; {_quality_text(self.regret, self.price_of_invariance)}",
             f"certificate: {'passed' if cert['passed'] else 'FAILED'} at {cert['level']} level on "
@@ -153,8 +155,7 @@ def tune(plans: Sequence[SweepPlan], corpus_root: Path, timer: Timer, runner: ce
                   if c["result"] == "fail"]
         raise StageFailed(f"certification failed, nothing installed: {'; '.join(failed)}")
     with _stage("generate", log):
-        out = generate.write(generated_root / cert["gpu_slug"], rendered, cert)
-        (out / POLICY).write_bytes(policy.to_bytes())
+        out = generate.write(generated_root / cert["gpu_slug"], rendered, cert, policy)
         log(f"  {out}")
     installed = None
     if install_table:

@@ -217,11 +217,20 @@ assert tuple(_BOOKS) == CODEBOOKS
 
 # Codebook names as a user types them, in any case (the GGUF type name "Q4_K", its execution key "q4_k"): the
 # two spellings the tool keeps inside are a source format's `Codebook.name` (kernels, corpus, inventories) and
-# its execution key (policy, tables, runtime dispatch). `get` and `execution_key` are the only ways in.
+# its execution key (policy, tables, runtime dispatch). `get` and `execution_key` are the only ways in. Case is
+# folded in ASCII only (as the generated C header does): str.lower() would also fold, say, the Kelvin sign into k.
 _BY_SOURCE: dict[str, str] = {name.lower(): name for name in CODEBOOKS}
 _BY_EXECUTION: dict[str, tuple[str, ...]] = {
     key: tuple(name for name in CODEBOOKS if EXECUTION[name] == key) for key in sorted(set(EXECUTION.values()))
 }
+
+
+def _folded(name: str) -> str:
+    """`name` in lower case, ASCII letters only folded."""
+    return name.translate(_ASCII_LOWER)
+
+
+_ASCII_LOWER = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
 
 
 def _unknown(name: object) -> InputError:
@@ -232,7 +241,7 @@ def _unknown(name: object) -> InputError:
 
 def get(name: str) -> Codebook:
     """The source format called `name`, in any case ("q4_k" is Q4_K); InputError naming the known ones otherwise."""
-    source = _BY_SOURCE.get(name.lower()) if isinstance(name, str) else None
+    source = _BY_SOURCE.get(_folded(name)) if isinstance(name, str) else None
     if source is None:
         raise _unknown(name)
     return _BOOKS[source]
@@ -242,7 +251,7 @@ def execution_key(name: str) -> str:
     """The execution codebook key (the dispatch key, e.g. "q4_k") of a source format or of an execution key, in
     any case; InputError naming the known codebooks otherwise."""
     if isinstance(name, str):
-        lowered = name.lower()
+        lowered = _folded(name)
         if lowered in _BY_EXECUTION:
             return lowered
         if lowered in _BY_SOURCE:

@@ -39,7 +39,8 @@ except ImportError:  # the CPU stages never launch; only calling into this modul
 def require_cupy() -> Any:
     """CuPy, or EnvironmentProblem (the machine lacks it; not the caller's input)."""
     if cupy is None:
-        raise EnvironmentProblem("CuPy is not installed: install the 'cuda' extra (pip install '.[cuda]')")
+        raise EnvironmentProblem("CuPy is not installed: pip install 'gemv-dispatch[cuda]' (CUDA 13), or "
+                                 "pip install cupy-cuda12x on CUDA 12")
     return cupy
 
 

@@ -28,7 +28,7 @@ def certified_folder(folder: Path, policy: Policy | None = None) -> Path:
     with mock.patch.object(certify.shutil, "which", return_value=None), certify.EmulatorRunner() as runner:
         cert = certify.certify(policy, rendered, runner, log=lambda line: None)
     assert cert["passed"], cert["checks"]
-    return generate.write(folder, rendered, cert)
+    return generate.write(folder, rendered, cert, policy)
 
 
 def forge(folder: Path, edit: Any) -> None:

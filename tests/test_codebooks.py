@@ -4,6 +4,7 @@ block_fields, and the InputError contract."""
 from __future__ import annotations
 
 import itertools
+import json
 
 import numpy as np
 import pytest
@@ -745,3 +746,31 @@ def test_superblock_quantize_is_deterministic_and_row_local():
         np.testing.assert_array_equal(blocks[2:3], cb.quantize(name, w[2:3]))
         zero = cb.quantize(name, np.zeros((1, 256), np.float32))
         np.testing.assert_array_equal(cb.dequantize(name, zero, 256), np.zeros((1, 256), np.float32))
+
+
+def test_codebook_names_in_any_case_reach_one_spelling_everywhere(tmp_path):
+    """Issue 50 (3): a user types Q4_K, q4_k or Q4_k anywhere (sweep --codebooks, an inventory, pack and so
+    prepare, Policy.select and explain): inside there is one spelling each, the source format (kernels, corpus,
+    inventories) and the execution key (policy, tables); an unknown name is one line listing the known ones."""
+    from gemv_dispatch.dispatch.measure.shapes import inventory_from_dict
+    from gemv_dispatch.dispatch.measure.sweep import parse_plan
+    from gemv_dispatch.kernels.layout import pack
+
+    for spelling in ("Q4_K", "q4_k", "Q4_k", "q4_K"):
+        assert cb.get(spelling).name == "Q4_K" and cb.execution_key(spelling) == "q4_k"
+        assert cb.formats_of(spelling) == ("Q4_K",)
+    assert cb.execution_key("IQ4_xs") == "iq4_xs"
+    shapes = tmp_path / "s.json"
+    shapes.write_text(json.dumps({"name": "m", "family": "f", "source": "s", "config": {},
+                                  "shapes": [{"role": "q", "n": 256, "k": 512, "codebooks": ["q4_k", "Iq4_nl"]}]}))
+    plan = parse_plan("q4_0,Q8_0,iq4_NL", "1", "graph", [shapes])
+    assert plan.codebooks == ("Q4_0", "Q8_0", "IQ4_NL")
+    inv = inventory_from_dict(json.loads(shapes.read_text()), "s.json")
+    assert inv.shapes[0].codebooks == ("IQ4_NL", "Q4_K")
+    blocks = cb.quantize("Q4_0", np.ones((2, 64), np.float32))
+    assert (pack("q4_0", blocks, 2, 64).codebook, pack("q4_0", blocks, 2, 64).execution) == ("Q4_0", "q4_0")
+    kelvin = "Q4_\u212a"  # folds to q4_k under str.lower(); ASCII folding, as in the C header, refuses it
+    for bad in (lambda: cb.execution_key("q3_k"), lambda: parse_plan("q3_k"), lambda: cb.get(7),
+                lambda: cb.get(kelvin), lambda: cb.execution_key(kelvin)):
+        with pytest.raises(InputError, match=r"; known: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q4_K, .*, IQ4_XS"):
+            bad()

@@ -279,11 +279,19 @@ def test_recover_adopts_a_complete_orphan_and_removes_temps(tmp_path):
 
 
 def test_recover_refuses_a_broken_orphan_by_name(tmp_path):
+    """A truncated orphan under a well-formed shard name reaches the hash check (a name like broken.jsonl would
+    stop at the name check, proving nothing about the bytes)."""
     folder = build_corpus(tmp_path)
-    (path,) = shard_paths(folder)
-    (folder / SHARDS / "broken.jsonl.gz").write_bytes(path.read_bytes()[:-10])
-    with pytest.raises(InputError, match=r"broken\.jsonl\.gz"):
+    orphan = build_corpus(tmp_path / "other", geometries=((512, 1024),))
+    (source,) = shard_paths(orphan)
+    broken = folder / SHARDS / source.name
+    broken.write_bytes(source.read_bytes()[:-10])
+    before = tree(folder)
+    with pytest.raises(InputError, match=rf"{broken.name}: .*truncated or altered"):
         corpus.recover(folder)
+    assert tree(folder) == before
+    broken.write_bytes(source.read_bytes())  # control: the whole orphan is adopted
+    assert len(corpus.recover(folder)[1]) == 1
 
 
 def test_a_crash_inside_compaction_loses_nothing(tmp_path, monkeypatch):

@@ -14,6 +14,7 @@ import pytest
 from gemv_dispatch.dispatch.learn.features import MODES
 from gemv_dispatch.dispatch.table import bundle, generate
 from gemv_dispatch.kernels import registry
+from gemv_dispatch.kernels.codebooks import k_error
 from gemv_dispatch.kernels.errors import InputError
 from gemv_dispatch.kernels.registry import CANDIDATES
 from policy_fixture import random_policy
@@ -68,8 +69,16 @@ def random_keys(policy, rng: np.random.Generator, count: int) -> list[tuple[str,
         else:
             n, k = int(rng.integers(1, 1 << 31)), 32 * int(rng.integers(1, (1 << 31) // 32))
         m = int(rng.choice([1, 2, 4, 5, 16, 31, int(rng.integers(1, 1 << 20))]))
+        # The codebook as a user may spell it: the key ("q4_k") or the GGUF type ("Q4_K"), in any case.
+        cb = "".join(ch.upper() if rng.random() < 0.5 else ch for ch in cb)
         keys.append((cb, m, n, k, str(rng.choice(MODES))))
     return keys
+
+
+def refused(key) -> bool:
+    """Whether select refuses a key of a known codebook and mode: beyond the kernels' 32-bit plane indices, or K
+    not a whole number of the codebook's super-blocks (refused by all three, GEMV_DISPATCH_BAD_SHAPE in C)."""
+    return bool(registry.shape_error(*key[1:4]) or k_error(key[0], key[3]))
 
 
 def c_select(header: bytes, keys, tmp: Path) -> list[str]:
@@ -83,18 +92,22 @@ def c_select(header: bytes, keys, tmp: Path) -> list[str]:
     return out.splitlines()
 
 
-@pytest.mark.parametrize("seed", [11, 12])
-def test_module_policy_and_header_agree(seed, tmp_path):
-    """>= 100,000 seeded keys over two random policies: generated Python == Policy.select == C header."""
+SUPER_BLOCK_MIX = ("iq4_xs", "q4_0", "q4_k", "q5_k", "q6_k", "q8_0")
+
+
+@pytest.mark.parametrize(("seed", "codebooks"), [(11, None), (12, None), (13, SUPER_BLOCK_MIX)])
+def test_module_policy_and_header_agree(seed, codebooks, tmp_path):
+    """>= 150,000 seeded keys over three random policies (one with super-block codebooks), codebook names in
+    random case: generated Python == Policy.select == C header, answers and refusals alike."""
     print(f"seed {seed}")
-    policy = random_policy(seed)
+    policy = random_policy(seed, **({"codebooks": codebooks} if codebooks else {}))
     rendered = generate.render(policy, GOLDEN_INVENTORIES)
     module = load_module(rendered[bundle.MODULE], tmp_path)
     keys = random_keys(policy, np.random.default_rng(seed), 50_000)
     sources = set()
     py = []
     for key in keys:
-        if registry.shape_error(*key[1:4]):  # beyond the kernels' 32-bit plane indices: refused by all three
+        if refused(key):
             with pytest.raises(InputError):
                 policy.select(*key)
             with pytest.raises(ValueError):
@@ -107,7 +120,13 @@ def test_module_policy_and_header_agree(seed, tmp_path):
         sources.add(want.source)
         py.append(f"{want.candidate} {want.identity} {want.source}")
     assert sources == {"overlay", "fallback"}, "the keys must reach both overlays and the fallback"
-    assert 0.2 < py.count("error -2") / len(keys) < 0.6, "keys on both sides of the plane limit"
+    beyond = sum(bool(registry.shape_error(*key[1:4])) for key in keys)
+    assert 0.2 < beyond / len(keys) < 0.6, "keys on both sides of the plane limit"
+    assert any(key[0] != key[0].lower() for key in keys) and any(key[0] == key[0].lower() for key in keys)
+    if codebooks:  # super-block keys on both sides of the K rule
+        split = [key for key in keys if key[0].lower() in ("q4_k", "q5_k", "q6_k", "iq4_xs")]
+        assert sum(bool(k_error(key[0], key[3])) for key in split) > 1000
+        assert sum(not refused(key) for key in split) > 1000
     if shutil.which("cc") is None:
         pytest.skip("no C compiler (cc) on PATH: the header half of this test needs one")
     c = c_select(rendered[bundle.HEADER], keys, tmp_path)
@@ -144,6 +163,38 @@ def test_invalid_arguments_refused_by_module_and_header(tmp_path):
     below = ("q4_0", 1, (1 << 22) - 1, 32 << 10, "graph")  # 2^10 blocks below the limit: answered
     assert c_select(rendered[bundle.HEADER], [below], tmp_path)[0] != "error -2"
     assert module.select(*below) == policy.select(*below)
+
+
+def test_codebook_names_and_super_blocks_agree_in_python_and_c(tmp_path):
+    """Issue 50 (3, 1f): the generated select took only "q4_0" (ValueError for the GGUF type name "Q4_0") and
+    answered q4_k at K=4128. Now Policy.select, the module and the header (through its name -> index helper)
+    take any case and refuse a K that splits a super-block, alike; a name folded only outside ASCII is refused."""
+    policy = random_policy(7, codebooks=("iq4_xs", "q4_0", "q4_k"), shapes=((4096, 4096),), overlays=4, depth=3)
+    rendered = generate.render(policy, GOLDEN_INVENTORIES)
+    module = load_module(rendered[bundle.MODULE], tmp_path)
+    answered = [("Q4_K", 1, 4096, 4096, "graph"), ("q4_K", 16, 4096, 4096, "eager"),
+                ("IQ4_xs", 3, 14336, 4096, "graph"), ("Q4_0", 1, 4096, 4128, "graph"), ("q4_0", 5, 100, 96, "eager")]
+    shapes = [("q4_k", 1, 4096, 4128, "graph"), ("IQ4_XS", 2, 4096, 288, "graph"), ("Q4_K", 1, 64, 32, "eager")]
+    names = [("q6_k", 1, 4096, 4096, "graph"), ("Q4_\u212a", 1, 4096, 4096, "graph"), ("", 1, 64, 64, "graph"),
+             ("q4_0 ", 1, 64, 64, "graph")]
+    expected = []
+    for key in answered:
+        want = policy.select(*key)
+        assert tuple(module.select(*key)) == tuple(want) == tuple(policy.select(key[0].lower(), *key[1:]))
+        expected.append(f"{want.candidate} {want.identity} {want.source}")
+    for key in shapes:
+        unit = "256, the super-block of " + ("Q4_K" if key[0].lower() == "q4_k" else "IQ4_XS")
+        for select in (policy.select, module.select):
+            with pytest.raises(ValueError, match=f"^K={key[3]} is not a multiple of {unit}$"):
+                select(*key)
+    for key in names:
+        for select in (policy.select, module.select):
+            with pytest.raises(ValueError, match="codebook"):
+                select(*key)
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler (cc) on PATH: the header half of this test needs one")
+    keys = answered + shapes + names[:2]  # the C driver reads names with scanf("%s"): no empty or spaced ones
+    assert c_select(rendered[bundle.HEADER], keys, tmp_path) == expected + ["error -2"] * 3 + ["error -1"] * 2
 
 
 def test_render_is_deterministic_and_matches_golden(tmp_path):

@@ -67,3 +67,19 @@ def test_a_missing_data_folder_is_one_line(tmp_path):
                    ").returncode)", str(tmp_path)], tmp_path)
     assert env_run.returncode == 2, env_run.stderr
     assert len(env_run.stderr.strip().splitlines()) == 1
+
+
+def test_readme_commands_work_from_any_folder(tmp_path):
+    """Issue 50 (2): the README's paths (corpus/nvidia-h200, generated/nvidia-h200/) failed outside a checkout.
+    Run from an empty folder, they name the shipped corpus and table; `paths` says where those are."""
+    done = cli(tmp_path, "paths", "--json")
+    assert done.returncode == 0, done.stderr
+    where = json.loads(done.stdout)
+    assert where["gpu_models_with_a_corpus"] == where["gpu_models_with_a_table"] == ["nvidia-h200"]
+    for args in (["corpus", "check", "corpus/nvidia-h200", "--json"], ["corpus", "check", "nvidia-h200", "--json"]):
+        done = cli(tmp_path, *args)
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout)["folder"] == str(Path(where["shipped_corpora"]) / "nvidia-h200")
+    done = cli(tmp_path, "install", "generated/nvidia-h200/", "--tables", str(tmp_path / "tables"))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"{tmp_path / 'tables' / 'nvidia-h200'}: current is")

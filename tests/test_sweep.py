@@ -274,7 +274,13 @@ def test_devices_with_replay_give_the_same_corpus_as_one_device(source, shapes, 
 
 
 def test_a_failing_device_child_is_reported(tmp_path, shapes):
-    result = invoke(*sweep_args(tmp_path / "missing", shapes, tmp_path, "--devices", "3"))
+    # A missing replay folder is refused by the parent now (common.paths.resolve), before any child starts:
+    # the child fails instead on a replay corpus that exists but does not load.
+    assert invoke(*sweep_args(tmp_path / "missing", shapes, tmp_path, "--devices", "3")).exit_code == 2
+    broken = build_corpus(tmp_path / "src")
+    (shard,) = (broken / SHARDS).glob("*.jsonl")
+    shard.write_bytes(shard.read_bytes()[:-5])
+    result = invoke(*sweep_args(broken, shapes, tmp_path / "out", "--devices", "3"))
     assert result.exit_code == 1 and "sweep failed on device 3" in result.stderr
 
 

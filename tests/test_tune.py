@@ -40,6 +40,9 @@ def test_tune_runs_every_stage_and_installs(tuned):
     assert sorted(p.name for p in folder.iterdir()) == sorted([*bundle.FILES, "policy.json"])
     loaded = install.installed_table(FAKE_GPU, root / "tables")
     assert loaded is not None and loaded.gpu_level is False
+    # Issue 50 (2): the summary named the temp folder the replay went into, deleted by the time it was read.
+    (line,) = [line for line in result.stdout.splitlines() if line.startswith("corpus: ")]
+    assert line == f"corpus: a replay of {root / 'corpus' / 'fake-gpu-9000'} in a temporary folder (removed) (16 cells)"
 
 
 def test_check_passes_on_the_table_and_fails_naming_the_key(tuned, tmp_path, monkeypatch):

@@ -10,13 +10,36 @@ import contextlib
 import fcntl
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+
+from ...kernels.errors import InputError
 
 
 def naming(err: OSError, path: Path) -> OSError:
     """`err` re-addressed to `path`: same type and errno, the cause kept as its text."""
     return type(err)(err.errno, err.strerror or str(err), str(path))
+
+
+def read_input(path: Path, what: str, hint: str = "") -> bytes:
+    """The bytes of a file a user named; InputError, one line, for a missing path or a folder where the file
+    should be (an input mistake, not a problem of the machine). `hint` follows "no such ... file"."""
+    try:
+        return Path(path).read_bytes()
+    except IsADirectoryError:
+        raise InputError(f"{path}: a folder, not a {what} file") from None
+    except (FileNotFoundError, NotADirectoryError):
+        raise InputError(f"{path}: no such {what} file{hint}") from None
+
+
+def check_output(path: Path, what: str) -> None:
+    """InputError unless `path` can name a file to write: not a folder, in a folder that exists. Run before the
+    work whose result it receives, so a mistyped -o costs no minutes of work."""
+    path = Path(path)
+    if path.is_dir():
+        raise InputError(f"{path}: a folder; name the {what} file to write")
+    if not path.parent.is_dir():
+        raise InputError(f"{path.parent}: no such folder to write the {what} file {path.name} into")
 
 
 def fsync_dir(folder: Path) -> None:
@@ -28,8 +51,8 @@ def fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write `data` to `path` through a temp file in the same folder (fsync, rename, fsync the folder)."""
+def _staged(path: Path, data: bytes) -> str:
+    """A synced temp file in `path`'s folder holding `data`; an OSError names `path` and leaves no temp file."""
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     except OSError as err:
@@ -40,13 +63,43 @@ def write_atomic(path: Path, data: bytes) -> None:
             out.flush()
             os.fsync(out.fileno())
         os.chmod(tmp, 0o644)  # mkstemp makes it owner-only; what we write is shared data
-        os.replace(tmp, path)
-        fsync_dir(path.parent)
     except BaseException as err:
         Path(tmp).unlink(missing_ok=True)
         if isinstance(err, OSError):
             raise naming(err, path) from None
         raise
+    return tmp
+
+
+def write_files(folder: Path, files: Mapping[str, bytes]) -> None:
+    """Write every file of `files` ({name: bytes}) into `folder`, each atomically (temp file in the folder,
+    fsync, rename, fsync the folder), and every one staged before the first is renamed into place: a full disk
+    or a read-only folder fails before any file changes, and a kill between the renames leaves each file whole,
+    old or new (a table folder's certificate then refuses the mix)."""
+    if not files:
+        return
+    staged: dict[Path, str] = {}  # what is still to rename (and to remove, should anything fail)
+    try:
+        for name, data in files.items():
+            staged[folder / name] = _staged(folder / name, data)
+        for path, tmp in list(staged.items()):
+            try:
+                os.replace(tmp, path)
+            except OSError as err:
+                raise naming(err, path) from None
+            del staged[path]
+        try:
+            fsync_dir(folder)
+        except OSError as err:
+            raise naming(err, path) from None
+    finally:
+        for tmp in staged.values():
+            Path(tmp).unlink(missing_ok=True)
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write `data` to `path` through a temp file in the same folder (fsync, rename, fsync the folder)."""
+    write_files(path.parent, {path.name: data})
 
 
 @contextlib.contextmanager

@@ -21,6 +21,7 @@ from ...kernels.errors import InputError
 from ...kernels.registry import BY_ID, CANDIDATES, Candidate, shape_error
 from ..common.contract import SERVED_MS
 from ..common.digests import canonical_bytes, content_digest, read_digested
+from ..common.files import read_input, write_atomic
 from .features import (
     IDENTITY_FEATURES,
     LAUNCH_FEATURES,
@@ -300,19 +301,14 @@ class Policy:
         return _parse(read_digested(data, where, FORMAT, "policy", "train"), where)
 
     def save(self, path: str | Path) -> None:
-        """Write the file atomically enough for a CLI: the bytes are built first, so an error writes nothing."""
-        data = self.to_bytes()
-        Path(path).write_bytes(data)
+        """Write the file atomically (common.files.write_atomic): a reader sees the old file or the new one."""
+        write_atomic(Path(path), self.to_bytes())
 
 
 def load(path: str | Path) -> Policy:
     """Read and validate a policy file; InputError for a missing, malformed or hand-edited file."""
     path = Path(path)
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise InputError(f"{path}: no such policy file") from None
-    return Policy.from_bytes(data, str(path))
+    return Policy.from_bytes(read_input(path, "policy"), str(path))
 
 
 def _parse(obj: dict[str, Any], where: str) -> Policy:

@@ -301,6 +301,8 @@ def _combine(records: Iterable[Record]) -> list[Record]:
 
 
 def _require(folder: Path) -> None:
+    if folder.exists() and not folder.is_dir():
+        raise InputError(f"{folder}: a file, not a corpus folder")
     if not folder.is_dir():
         raise InputError(f"{folder}: no such corpus folder")
 
@@ -464,7 +466,7 @@ class _Folder:
     manifest: Manifest
     listed: tuple[Shard, ...]
     staged: tuple[Shard, ...]  # complete shards outside the manifest, verified, adding records: to adopt
-    temps: tuple[str, ...]  # stale temp files of interrupted writes
+    temps: tuple[str, ...]  # stale temp files of interrupted writes, relative to the folder
     retired: tuple[str, ...]  # files of compacted-away shards still present
     redundant: tuple[str, ...] = ()  # shards outside the manifest holding only records it lists (a merge cut short)
     rebuilt: bool = False  # manifest.json was missing: the manifest is the staged shards, once verified
@@ -553,7 +555,8 @@ def _scan(folder: Path, *, adopt: bool) -> _Folder:
         manifest,
         listed,
         tuple(staged),
-        tuple(sorted(n for n in names if n.startswith(".") and n.endswith(".tmp"))),
+        tuple(sorted(f"{SHARDS}/{n}" for n in names if n.startswith(".") and n.endswith(".tmp")))
+        + tuple(sorted(p.name for p in folder.glob(f".{MANIFEST}.*.tmp"))),  # a manifest write cut short
         tuple(sorted(set(manifest.retired) & files)),
         tuple(redundant),
         rebuilt,
@@ -563,7 +566,9 @@ def _scan(folder: Path, *, adopt: bool) -> _Folder:
 def _settle(folder: Path, state: _Folder, manifest: Manifest) -> None:
     """Write `manifest`, then delete what it no longer needs (temps, retired and redundant files); a lock held."""
     write_atomic(folder / MANIFEST, manifest.to_bytes())
-    for name in state.temps + state.retired + state.redundant:
+    for name in state.temps:
+        (folder / name).unlink(missing_ok=True)
+    for name in state.retired + state.redundant:
         (folder / SHARDS / name).unlink(missing_ok=True)
 
 

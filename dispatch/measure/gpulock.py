@@ -15,17 +15,9 @@ from pathlib import Path
 
 from ...kernels.errors import EnvironmentProblem, InputError
 from ..common.files import locked, naming
+from ..common.paths import LOCKS_ENV, lock_dir
 
-LOCKS_ENV = "GEMV_DISPATCH_LOCKS"
-
-
-def lock_dir() -> Path:
-    """GEMV_DISPATCH_LOCKS, else $XDG_RUNTIME_DIR/gemv-dispatch (per user, cleared at logout), else
-    /tmp/gemv-dispatch-locks (shared by every user of the machine, as the GPUs are)."""
-    if os.environ.get(LOCKS_ENV):
-        return Path(os.environ[LOCKS_ENV])
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
-    return Path(runtime) / "gemv-dispatch" if runtime else Path("/tmp/gemv-dispatch-locks")
+__all__ = ["LOCKS_ENV", "hold", "lock_dir"]
 
 
 @contextlib.contextmanager

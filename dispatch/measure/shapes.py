@@ -313,6 +313,8 @@ def open_gguf(path: Path) -> Any:
     """A gguf.GGUFReader over `path` (tensor infos; data memory-mapped), or InputError naming the file."""
     import gguf  # heavy import, only needed here
 
+    if path.is_dir():
+        raise InputError(f"{path}: a folder, not a GGUF file")
     if not path.is_file():
         raise InputError(f"{path}: no such GGUF file")
     try:

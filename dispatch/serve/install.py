@@ -127,6 +127,9 @@ def _tidy(slot: Path) -> None:
     for entry in versions.iterdir() if versions.is_dir() else ():
         if entry.name not in keep:
             shutil.rmtree(entry)
+        elif entry.is_dir() and not entry.is_symlink():
+            for stray in entry.glob(".*.tmp"):  # a repair (`_repair`) cut short
+                stray.unlink()
 
 
 def _repair(final: Path, table: Table) -> list[str]:

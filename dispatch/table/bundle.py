@@ -21,7 +21,8 @@ from ..common.digests import canonical_bytes, read_digested, sha256
 MODULE = "dispatch_table.py"
 HEADER = "dispatch_table.h"
 CERTIFICATE = "certificate.json"
-FILES = (MODULE, HEADER, CERTIFICATE)
+FILES = (MODULE, HEADER, CERTIFICATE)  # what a table is: install copies these
+POLICY = "policy.json"  # the policy the table was rendered from, beside it in generated/<gpu-slug>/ (not installed)
 CERT_FORMAT = "gemv-dispatch-certificate/1"
 
 

@@ -15,7 +15,6 @@ renders again and refuses a certificate that does not bind the rendered bytes.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,14 +23,16 @@ from typing import Any
 import jinja2
 
 from ...kernels import registry
+from ...kernels.codebooks import formats_of, get
 from ...kernels.errors import BLOCK, InputError
 from .. import __version__
 from ..common.contract import MODES
 from ..common.digests import sha256
+from ..common.files import read_input, write_files
 from ..common.gpu import gpu_slug
 from ..learn import features
 from ..learn.policy import CANONICAL_WIDE, Policy, canonical_kpar
-from .bundle import CERTIFICATE, HEADER, MODULE, certificate_bytes, read_certificate
+from .bundle import CERTIFICATE, HEADER, MODULE, POLICY, certificate_bytes, read_certificate
 from .certify import inventories_digest, policy_digests
 
 FAMILIES = ("wide", "direct", "kpar")
@@ -122,6 +123,13 @@ def context(policy: Policy, inventories: str) -> dict[str, Any]:
         "launch_features": list(RENDERED_LAUNCH_FEATURES),
         "codebooks": [(cb, [features.codebook_features(cb)[f] for f in features.CODEBOOK_FEATURES])
                       for cb in codebooks],
+        # What select takes for a codebook: its execution key or the GGUF type name of a format of that key, in
+        # any (ASCII) case; lower-case names with the index of their key, sorted. And per key, the weights of a
+        # GGUF block (K must be a multiple: 256 for a super-block format) and the formats it stands for.
+        "codebook_names": sorted({(name, i) for i, cb in enumerate(codebooks)
+                                  for name in (cb, *(f.lower() for f in formats_of(cb)))}),
+        "codebook_blocks": [(max(get(f).weights for f in formats_of(cb)), "/".join(formats_of(cb)))
+                            for cb in codebooks],
         "candidates": [(c.id, FAMILIES.index(c.family), c.ksplit, c.threads, c.cpt, c.mma_tiles, int(c.staged))
                        for c in candidates],
         "canonical_wide": index[CANONICAL_WIDE],
@@ -158,26 +166,30 @@ def check_binding(rendered: Mapping[str, bytes], cert: Mapping[str, Any], where:
         raise InputError(f"{where}: the certificate records failed checks: {', '.join(failed) or 'incomplete'}")
 
 
-def write(folder: Path, rendered: Mapping[str, bytes], cert: Mapping[str, Any]) -> Path:
-    """Write the rendered files and the certificate into `folder` (created), each file replaced atomically."""
+def write(folder: Path, rendered: Mapping[str, bytes], cert: Mapping[str, Any], policy: Policy) -> Path:
+    """Write the rendered files, the certificate and the policy (policy.json) into `folder`, created with its
+    missing parents: every file staged before the first is replaced (common.files.write_files), and a folder
+    this call made is removed again when writing fails, so a failure leaves the files as they were."""
     check_binding(rendered, cert, str(folder))
+    if folder.exists() and not folder.is_dir():
+        raise InputError(f"{folder}: a file; name the folder to write the table into")
+    made = [p for p in (folder, *folder.parents) if not p.exists()]
     folder.mkdir(parents=True, exist_ok=True)
-    for name, data in {**rendered, CERTIFICATE: certificate_bytes(cert)}.items():
-        path = folder / name
-        tmp = folder / f".{name}.tmp"
-        try:
-            tmp.write_bytes(data)
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
+    try:
+        write_files(folder, {**rendered, CERTIFICATE: certificate_bytes(cert), POLICY: policy.to_bytes()})
+    except BaseException:
+        for path in made:  # deepest first; stops at the first that another writer has filled meanwhile
+            try:
+                path.rmdir()
+            except OSError:
+                break
+        raise
     return folder
 
 
 def generate(policy: Policy, cert_path: Path, folder: Path) -> Path:
-    """`gemv-dispatch generate`: render `policy`, check that the certificate binds the result, write both."""
-    try:
-        data = cert_path.read_bytes()
-    except FileNotFoundError:
-        raise InputError(f"{cert_path}: no such certificate (run `gemv-dispatch certify` first)") from None
+    """`gemv-dispatch generate`: render `policy`, check that the certificate binds the result, write the table
+    and the policy beside it (as `tune` does)."""
+    data = read_input(cert_path, "certificate", " (run `gemv-dispatch certify` first)")
     cert = read_certificate(data, str(cert_path))
-    return write(folder, render(policy), cert)
+    return write(folder, render(policy), cert, policy)
