@@ -533,13 +533,15 @@ def test_a_failing_sweep_leaves_every_file_as_it_was(source, shapes, tmp_path):
     assert not (tmp_path / "fresh").exists()
 
 
-def test_a_cell_listed_incomplete_is_timed_again_and_listed_at_once(source, shapes, tmp_path):
-    """The sweep's own re-timing of a cell the manifest holds incomplete replaces listed records: it lists that
-    shard itself (write_shard) rather than staging it, since recovery never lets a staged shard replace any."""
+def test_a_cell_listed_incomplete_gets_only_its_missing_candidates_timed(source, shapes, tmp_path):
+    """A cell the manifest holds incomplete gets only its missing candidate timed: a staged shard that adds a
+    record (recovery adopts it), never one that replaces the listed records."""
     folder = tmp_path / SLUG
     corpus.init(folder)
     partial = cells()[0]
     write_shard(folder, fake_provenance(), fake_records(partial, fake_provenance())[1:])
     result = run_sweep(parse_plan("Q4_0,Q8_0", "1,4", "graph,eager", [shapes]), tmp_path, ReplayTimer(load(source)))
     assert result.timed == len(cells())
+    assert result.records == sum(len(fake_records(c, fake_provenance())) for c in cells()) - (
+        len(fake_records(partial, fake_provenance())) - 1)
     assert load(folder).done_cells(fake_provenance().key) == set(cells())

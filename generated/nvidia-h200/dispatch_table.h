@@ -8,9 +8,11 @@
  *
  * Kernel dispatch for quantized GEMV, C99, integer arithmetic only: the same decisions as dispatch_table.py.
  *   int gemv_dispatch_select(int codebook, int64_t m, int64_t n, int64_t k, int mode, gemv_dispatch_choice *out)
- * codebook: an index from gemv_dispatch_codebook("q4_0"); mode: GEMV_DISPATCH_GRAPH or GEMV_DISPATCH_EAGER.
+ * codebook: the index gemv_dispatch_codebook(name) gives for an execution key ("q4_k") or a GGUF type name
+ * ("Q4_K"), in any case; mode: GEMV_DISPATCH_GRAPH or GEMV_DISPATCH_EAGER.
  * Returns GEMV_DISPATCH_OK, or a negative GEMV_DISPATCH_BAD_* code for arguments select does not answer
- * (M, N, K must lie in 1 .. 2147483647, K a multiple of 32: every intermediate then fits int64; and
+ * (M, N, K must lie in 1 .. 2147483647, K a multiple of 32: every intermediate then fits int64; K a
+ * multiple of the codebook's GGUF block, 256 weights for a super-block format; and
  * K / 32 * max(M, N) < 4294967296, the planes the kernels' 32-bit indices reach).
  */
 #ifndef GEMV_DISPATCH_TABLE_H
@@ -23,6 +25,7 @@
 #define GEMV_DISPATCH_SM_COUNT 132
 #define GEMV_DISPATCH_MAX_DIM 2147483647
 #define GEMV_DISPATCH_CODEBOOK_COUNT 10
+#define GEMV_DISPATCH_CODEBOOK_NAME_COUNT 10
 #define GEMV_DISPATCH_CANDIDATE_COUNT 63
 #define GEMV_DISPATCH_IDENTITY_OVERLAY_COUNT 155
 #define GEMV_DISPATCH_LAUNCH_OVERLAY_COUNT 620
@@ -66,6 +69,22 @@ static const int64_t gemv_dispatch_codebook_features[GEMV_DISPATCH_CODEBOOK_COUN
     {210, 0, 1, 0},
     {34, 0, 0, 0},
 };
+/* weights per GGUF block, which K must be a multiple of: 256 for a super-block format */
+static const int64_t gemv_dispatch_codebook_weights[GEMV_DISPATCH_CODEBOOK_COUNT] = {32, 256, 32, 32, 256, 32, 32, 256, 256, 32};
+/* the names gemv_dispatch_codebook takes, in lower case (any case is accepted), and their codebook indexes */
+static const char *const gemv_dispatch_codebook_lookup[GEMV_DISPATCH_CODEBOOK_NAME_COUNT] = {
+    "iq4_nl",
+    "iq4_xs",
+    "q4_0",
+    "q4_1",
+    "q4_k",
+    "q5_0",
+    "q5_1",
+    "q5_k",
+    "q6_k",
+    "q8_0",
+};
+static const int gemv_dispatch_codebook_lookup_index[GEMV_DISPATCH_CODEBOOK_NAME_COUNT] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9};
 static const char *const gemv_dispatch_candidate_ids[GEMV_DISPATCH_CANDIDATE_COUNT] = {
     "wide.s1.t128.c1",
     "wide.s1.t256.c1",
@@ -1420,11 +1439,19 @@ static const int64_t gemv_dispatch_launch_overlays[GEMV_DISPATCH_LAUNCH_OVERLAY_
     {-1, -1, -1, -1, -1, -1}
 };
 
-/* The index of an execution codebook key ("q4_0"), or GEMV_DISPATCH_BAD_CODEBOOK. */
+/* The codebook index of a name: an execution key ("q4_k") or a GGUF type name ("Q4_K"), in any case (ASCII
+ * letters folded, as dispatch_table.py folds them); GEMV_DISPATCH_BAD_CODEBOOK for any other name or NULL. */
 static inline int gemv_dispatch_codebook(const char *name) {
-    int i;
-    for (i = 0; i < GEMV_DISPATCH_CODEBOOK_COUNT; ++i) {
-        if (strcmp(name, gemv_dispatch_codebook_names[i]) == 0) return i;
+    int i, j;
+    if (name == NULL) return GEMV_DISPATCH_BAD_CODEBOOK;
+    for (i = 0; i < GEMV_DISPATCH_CODEBOOK_NAME_COUNT; ++i) {
+        const char *want = gemv_dispatch_codebook_lookup[i];
+        for (j = 0; want[j] != '\0'; ++j) {
+            char c = name[j];
+            if (c >= 'A' && c <= 'Z') c = (char)(c - 'A' + 'a');
+            if (c != want[j]) break;
+        }
+        if (want[j] == '\0' && name[j] == '\0') return gemv_dispatch_codebook_lookup_index[i];
     }
     return GEMV_DISPATCH_BAD_CODEBOOK;
 }
@@ -1563,7 +1590,8 @@ static inline int gemv_dispatch_select(int codebook, int64_t m, int64_t n, int64
     int overlay, leaf, i;
     if (codebook < 0 || codebook >= GEMV_DISPATCH_CODEBOOK_COUNT) return GEMV_DISPATCH_BAD_CODEBOOK;
     if (m < 1 || n < 1 || k < 1 || m > GEMV_DISPATCH_MAX_DIM || n > GEMV_DISPATCH_MAX_DIM || k > GEMV_DISPATCH_MAX_DIM ||
-        k % 32 != 0 || k / 32 * (m > n ? m : n) >= 4294967296LL) {
+        k % 32 != 0 || k % gemv_dispatch_codebook_weights[codebook] != 0 ||
+        k / 32 * (m > n ? m : n) >= 4294967296LL) {
         return GEMV_DISPATCH_BAD_SHAPE;
     }
     if (mode != GEMV_DISPATCH_GRAPH && mode != GEMV_DISPATCH_EAGER) return GEMV_DISPATCH_BAD_MODE;

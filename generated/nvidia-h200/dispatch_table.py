@@ -39,6 +39,34 @@ CODEBOOK_FEATURES = {
     "q6_k": (210, 0, 1, 0),
     "q8_0": (34, 0, 0, 0),
 }
+# The names select takes, in lower case (any case is accepted): an execution key, or the GGUF type of a format
+# of that key -> the key
+_CODEBOOK_KEYS = {
+    "iq4_nl": "iq4_nl",
+    "iq4_xs": "iq4_xs",
+    "q4_0": "q4_0",
+    "q4_1": "q4_1",
+    "q4_k": "q4_k",
+    "q5_0": "q5_0",
+    "q5_1": "q5_1",
+    "q5_k": "q5_k",
+    "q6_k": "q6_k",
+    "q8_0": "q8_0",
+}
+# codebook -> (weights per GGUF block, which K must be a multiple of: 256 for a super-block format; its formats)
+_CODEBOOK_BLOCKS = {
+    "iq4_nl": (32, "IQ4_NL"),
+    "iq4_xs": (256, "IQ4_XS"),
+    "q4_0": (32, "Q4_0"),
+    "q4_1": (32, "Q4_1"),
+    "q4_k": (256, "Q4_K"),
+    "q5_0": (32, "Q5_0"),
+    "q5_1": (32, "Q5_1"),
+    "q5_k": (256, "Q5_K"),
+    "q6_k": (256, "Q6_K"),
+    "q8_0": (32, "Q8_0"),
+}
+_ASCII_LOWER = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")  # as the C header folds
 # (id, family, ksplit, threads, cpt, mma_tiles, staged); family: 0 wide, 1 direct, 2 kpar
 CANDIDATES = (
     ("wide.s1.t128.c1", 0, 1, 128, 1, 0, 0),
@@ -1589,17 +1617,23 @@ def _leaf(nodes, leaves, values):
 
 
 def _check(codebook, m, n, k, mode):
-    if codebook not in CODEBOOK_FEATURES:
-        raise ValueError(f"codebook {codebook!r} is not in this table ({', '.join(CODEBOOK_FEATURES)})")
+    """The execution key of `codebook` (any case); ValueError naming an argument select does not answer."""
+    key = _CODEBOOK_KEYS.get(codebook.translate(_ASCII_LOWER)) if isinstance(codebook, str) else None
+    if key is None:
+        raise ValueError(f"codebook {codebook!r} is not in this table ({', '.join(CODEBOOK_FEATURES)}, any case)")
     for name, value in (("M", m), ("N", n), ("K", k)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name}={value!r} must be an integer >= 1")
     if k % 32:
         raise ValueError(f"K={k} is not a multiple of 32")
+    weights, formats = _CODEBOOK_BLOCKS[key]
+    if k % weights:
+        raise ValueError(f"K={k} is not a multiple of {weights}, the super-block of {formats}")
     if k // 32 * max(m, n) >= 4294967296:
         raise ValueError(f"M={m}, N={n}, K={k}: a plane of 2^32 blocks or more, beyond the kernels' 32-bit indices")
     if mode not in MODES:
         raise ValueError(f"mode {mode!r} must be one of {', '.join(MODES)}")
+    return key
 
 
 def identity(codebook, n, k):
@@ -1616,8 +1650,9 @@ def identity(codebook, n, k):
 def select(codebook, m, n, k, mode="graph"):
     """The candidate for (codebook, M, N, K, mode): Choice(candidate id, identity, "overlay" | "fallback").
 
-    Total over valid arguments; ValueError names an invalid one."""
-    _check(codebook, m, n, k, mode)
+    codebook: an execution key ("q4_k") or a GGUF type name ("Q4_K"), in any case. Total over valid arguments;
+    ValueError names an invalid one (K must hold whole super-blocks of a super-block format)."""
+    codebook = _check(codebook, m, n, k, mode)
     ident, overlay = identity(codebook, n, k)
     c = _LAUNCH_OVERLAYS.get((codebook, m, n, k, mode))
     if c is not None and _fits(c, ident, m, n, k):
