@@ -3,7 +3,7 @@ targets of the small-batch and super-block issues, each with what this run measu
 
     python bench/kernels_report.py bench/results/kernels-nvidia-h200.json > bench/results/kernels-nvidia-h200.md
 
-Results are named by the GPU model's slug (dispatch.measure.corpus.gpu_slug): kernels-<slug>.json, its report
+Results are named by the GPU model's slug (dispatch.common.gpu.gpu_slug): kernels-<slug>.json, its report
 kernels-<slug>.md and the roofline plot roofline-<slug>.png.
 """
 
@@ -14,7 +14,7 @@ import math
 import sys
 from pathlib import Path
 
-from gemv_dispatch.dispatch.measure.corpus import gpu_slug
+from gemv_dispatch.dispatch.common.gpu import gpu_slug
 from gemv_dispatch.kernels.codebooks import SUPERBLOCK, get
 
 LARGE_BYTES = 64e6  # "shapes >= 64 MB" of the M = 1 target
