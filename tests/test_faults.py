@@ -7,6 +7,7 @@ filled, would otherwise pass."""
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import json
 import os
 import resource
@@ -46,7 +47,17 @@ def one_line(result, code: int) -> str:
 
 
 def shard_paths(folder: Path) -> list[Path]:
-    return sorted((folder / SHARDS).glob("*.jsonl"))
+    return sorted((folder / SHARDS).glob("*.jsonl.gz"))
+
+
+def shard_text(path: Path) -> bytes:
+    """A shard file's text (shards are gzip files named after the SHA-256 of their text)."""
+    return gzip.decompress(path.read_bytes())
+
+
+def put_text(path: Path, data: bytes) -> None:
+    """Write a shard file holding the text `data`, compressed as a writer compresses it."""
+    path.write_bytes(gzip.compress(data, mtime=0))
 
 
 @pytest.fixture()
@@ -58,13 +69,13 @@ def folder(tmp_path) -> Path:
 # --- shards -----------------------------------------------------------------------------------------------
 
 def corrupt(path: Path) -> None:
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0x01  # one bit in the middle of a record
-    path.write_bytes(bytes(data))
+    data = bytearray(shard_text(path))
+    data[len(data) // 2] ^= 0x01  # one bit in the middle of a record, in a well-formed gzip file
+    put_text(path, bytes(data))
 
 
 def truncate(path: Path) -> None:
-    path.write_bytes(path.read_bytes()[:-37])
+    put_text(path, shard_text(path)[:-37])
 
 
 SHARD_FAULTS = {"corrupt": corrupt, "truncated": truncate}
@@ -80,7 +91,7 @@ def test_a_damaged_listed_shard_is_named_and_nothing_changes(fault, command, fol
             "sweep": sweep_args(build_corpus(tmp_path / "src"), write_shapes(tmp_path / "s.json"), folder.parent),
             "train": ["train", folder, "-o", tmp_path / "p.json"]}[command]
     message = one_line(cli(*args), 2)
-    assert message == (f"error: {path}: SHA-256 {corpus.sha256(path.read_bytes())[:16]}… differs from the "
+    assert message == (f"error: {path}: SHA-256 {corpus.sha256(shard_text(path))[:16]}… differs from the "
                        f"{path.name.split('-')[1][:16]}… its name promises (truncated or altered shard)")
     assert tree(folder) == before and not (tmp_path / "p.json").exists()
 
@@ -92,7 +103,7 @@ def forged_shard(folder: Path, factor: float) -> Path:
                                    p95_us=r.p95_us * factor, mad_us=r.mad_us * factor)
                for r in fake_records(cells()[0], PROV)]
     name, data = corpus._shard_of(PROV, records)
-    (folder / SHARDS / name).write_bytes(data)
+    put_text(folder / SHARDS / name, data)
     return folder / SHARDS / name
 
 
@@ -122,7 +133,7 @@ def test_an_unlisted_shard_that_adds_cells_is_adopted_after_verification(folder)
     records = load(folder).records
     extra = corpus.Cell("Q4_0", 16, 256, 512, "graph")
     name, data = corpus._shard_of(PROV, fake_records(extra, PROV))
-    (folder / SHARDS / name).write_bytes(data)
+    put_text(folder / SHARDS / name, data)
     result = cli("corpus", "compact", folder)
     assert result.exit_code == 0, result.output
     loaded = load(folder)
@@ -133,7 +144,7 @@ def test_a_shard_whose_name_lies_about_its_provenance_is_refused(folder):
     twin = fake_provenance(gpu_uuid="GPU-twin")
     name, data = corpus._shard_of(PROV, fake_records(corpus.Cell("Q4_0", 16, 256, 512, "graph"), PROV))
     forged = folder / SHARDS / name.replace(PROV.key, twin.key)
-    forged.write_bytes(data)
+    put_text(forged, data)
     before = tree(folder)
     assert one_line(cli("corpus", "compact", folder), 2) == (
         f"error: {forged}: header key '{PROV.key}' and name do not both match its provenance ({PROV.key})")

@@ -278,7 +278,7 @@ def test_a_failing_device_child_is_reported(tmp_path, shapes):
     # the child fails instead on a replay corpus that exists but does not load.
     assert invoke(*sweep_args(tmp_path / "missing", shapes, tmp_path, "--devices", "3")).exit_code == 2
     broken = build_corpus(tmp_path / "src")
-    (shard,) = (broken / SHARDS).glob("*.jsonl")
+    (shard,) = (broken / SHARDS).glob("*.jsonl.gz")
     shard.write_bytes(shard.read_bytes()[:-5])
     result = invoke(*sweep_args(broken, shapes, tmp_path / "out", "--devices", "3"))
     assert result.exit_code == 1 and "sweep failed on device 3" in result.stderr
