@@ -9,6 +9,7 @@ a few percent of deterministic per-candidate noise.
 
 from __future__ import annotations
 
+import gzip
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ from gemv_dispatch.dispatch import __version__
 from gemv_dispatch.dispatch.cli import main
 from gemv_dispatch.dispatch.common.gpu import gpu_slug
 from gemv_dispatch.dispatch.measure import corpus
-from gemv_dispatch.dispatch.measure.corpus import Cell, Provenance, Record, timing_parameters
+from gemv_dispatch.dispatch.measure.corpus import SHARDS, Cell, Provenance, Record, timing_parameters
 from gemv_dispatch.dispatch.measure.shapes import Inventory, Shape, write_inventory
 from gemv_dispatch.dispatch.measure.timing import Stats, TimingConfig, cell_seed
 from gemv_dispatch.kernels import program
@@ -78,6 +79,20 @@ def build_corpus(root: Path, provenance: Provenance | None = None, *, compact: b
     if compact:
         corpus.compact(folder)
     return folder
+
+
+def shard_paths(folder: Path) -> list[Path]:
+    return sorted((folder / SHARDS).glob("*.jsonl.gz"))
+
+
+def shard_text(path: Path) -> bytes:
+    """A shard file's text (shards are gzip files named after the SHA-256 of their text)."""
+    return gzip.decompress(path.read_bytes())
+
+
+def put_text(path: Path, data: bytes) -> None:
+    """Write a shard file holding the text `data`, compressed as a writer compresses it."""
+    path.write_bytes(gzip.compress(data, mtime=0))
 
 
 def tree(folder: Path) -> dict[str, bytes]:

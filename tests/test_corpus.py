@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import gzip
 import hashlib
 import json
 import os
@@ -14,7 +13,17 @@ from types import SimpleNamespace
 
 import pytest
 from click.testing import CliRunner
-from corpus_fixture import FAKE_GPU, build_corpus, cells, fake_provenance, fake_records, tree
+from corpus_fixture import (
+    FAKE_GPU,
+    build_corpus,
+    cells,
+    fake_provenance,
+    fake_records,
+    put_text,
+    shard_paths,
+    shard_text,
+    tree,
+)
 from gemv_dispatch.dispatch.cli import main
 from gemv_dispatch.dispatch.common.gpu import gpu_slug
 from gemv_dispatch.dispatch.measure import corpus
@@ -32,20 +41,6 @@ from gemv_dispatch.dispatch.measure.timing import TimingConfig
 from gemv_dispatch.kernels.errors import InputError
 
 PROV = fake_provenance()
-
-
-def shard_paths(folder: Path) -> list[Path]:
-    return sorted((folder / SHARDS).glob("*.jsonl.gz"))
-
-
-def shard_text(path: Path) -> bytes:
-    """The text of a shard file (shards are gzip files)."""
-    return gzip.decompress(path.read_bytes())
-
-
-def put_text(path: Path, data: bytes) -> None:
-    """Write a shard file holding the text `data`, as a writer compresses it."""
-    path.write_bytes(gzip.compress(data, mtime=0))
 
 
 def new_folder(tmp_path: Path, name: str = "c") -> Path:

@@ -7,7 +7,6 @@ filled, would otherwise pass."""
 from __future__ import annotations
 
 import dataclasses
-import gzip
 import json
 import os
 import resource
@@ -22,7 +21,19 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from corpus_fixture import SLUG, build_corpus, cells, fake_provenance, fake_records, sweep_args, tree, write_shapes
+from corpus_fixture import (
+    SLUG,
+    build_corpus,
+    cells,
+    fake_provenance,
+    fake_records,
+    put_text,
+    shard_paths,
+    shard_text,
+    sweep_args,
+    tree,
+    write_shapes,
+)
 from gemv_dispatch.dispatch.cli import main
 from gemv_dispatch.dispatch.measure import corpus
 from gemv_dispatch.dispatch.measure.corpus import MANIFEST, SHARDS, compact, load
@@ -44,20 +55,6 @@ def one_line(result, code: int) -> str:
     assert result.exit_code == code, result.output
     assert result.stderr.count("\n") == 1 and result.stderr.startswith("error: "), result.stderr
     return result.stderr.strip()
-
-
-def shard_paths(folder: Path) -> list[Path]:
-    return sorted((folder / SHARDS).glob("*.jsonl.gz"))
-
-
-def shard_text(path: Path) -> bytes:
-    """A shard file's text (shards are gzip files named after the SHA-256 of their text)."""
-    return gzip.decompress(path.read_bytes())
-
-
-def put_text(path: Path, data: bytes) -> None:
-    """Write a shard file holding the text `data`, compressed as a writer compresses it."""
-    path.write_bytes(gzip.compress(data, mtime=0))
 
 
 @pytest.fixture()

@@ -30,6 +30,17 @@ def certificate_bytes(cert: Mapping[str, Any]) -> bytes:
     return canonical_bytes(cert)
 
 
+def other_kernels(cert: Mapping[str, Any]) -> str | None:
+    """Why a certificate's evidence is not about the code these kernels run, or None when it is: its code digest
+    (kernels.digests.code_digest), or for a certificate made before code digests its kernel source digest."""
+    made_for = cert["digests"].get("code")
+    if made_for is not None and made_for != digests.code_digest():
+        return f"certified for kernel code {made_for[:12]}, these kernels run {digests.code_digest()[:12]}"
+    if made_for is None and cert["digests"]["kernels"] != program.digest():
+        return f"certified for kernel sources {cert['digests']['kernels'][:12]}, these are {program.digest()[:12]}"
+    return None
+
+
 def read_certificate(data: bytes, where: str) -> dict[str, Any]:
     """Parse certificate bytes; InputError unless they are the canonical bytes of a certificate whose digest
     matches its content (a one-byte edit anywhere is refused)."""
@@ -87,13 +98,9 @@ def verify(folder: Path) -> Table:
                              "generation?)")
     if cert.get("passed") is not True:
         raise InputError(f"{folder / CERTIFICATE}: the certificate records failed or missing checks")
-    made_for = cert["digests"].get("code")
-    if made_for is not None and made_for != digests.code_digest():
-        raise InputError(f"{folder}: certified for kernel code {made_for[:12]}, these kernels run "
-                         f"{digests.code_digest()[:12]}: sweep (only what changed), train and certify again")
-    if made_for is None and cert["digests"]["kernels"] != program.digest():  # made before code digests
-        raise InputError(f"{folder}: certified for kernel sources {cert['digests']['kernels'][:12]}, these are "
-                         f"{program.digest()[:12]}: sweep, train and certify again")
+    stale = other_kernels(cert)
+    if stale:
+        raise InputError(f"{folder}: {stale}: sweep (only what changed), train and certify again")
     module = _module(files[MODULE], f"gemv_dispatch_table_{cert['gpu_slug'].replace('-', '_')}", folder / MODULE)
     bound = {k: v for k, v in cert["digests"].items() if k != "artifacts"}
     if getattr(module, "DIGESTS", None) != bound or getattr(module, "GPU_NAME", None) != cert["gpu_name"]:

@@ -19,24 +19,21 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ...kernels import digests, program
 from ...kernels.errors import InputError
-from .. import __version__
 from ..common.contract import MODES, SERVED_MS
-from ..common.digests import sha256, with_digest
-from ..common.gpu import gpu_slug
+from ..common.digests import with_digest
 from ..learn.policy import Policy
-from .bundle import CERT_FORMAT, Table
+from .bundle import Table, other_kernels
 from .certify import (
     CHECKS,
     Outcome,
     Runner,
     Shape,
     _log,
+    certificate_fields,
     certified_shapes,
     check_policy,
     measured_shapes,
-    policy_digests,
     run_checks,
     sampled_shapes,
 )
@@ -84,13 +81,9 @@ def carry(policy: Policy, artifacts: Mapping[str, bytes], previous: Table, runne
     if prev["m_set"] != list(SERVED_MS) or prev["modes"] != list(MODES):
         raise InputError(f"{previous.folder}: certified over M {prev['m_set']} and modes {prev['modes']}, a table "
                          f"serves M {list(SERVED_MS)} and modes {list(MODES)}")
-    code = prev["digests"].get("code")
-    if code is not None and code != digests.code_digest():
-        raise InputError(f"{previous.folder}: certified for kernel code {code[:12]}, these kernels run "
-                         f"{digests.code_digest()[:12]}")
-    if code is None and prev["digests"]["kernels"] != program.digest():  # made before code digests
-        raise InputError(f"{previous.folder}: certified for kernel sources {prev['digests']['kernels'][:12]}, these "
-                         f"are {program.digest()[:12]}")
+    stale = other_kernels(prev)
+    if stale:
+        raise InputError(f"{previous.folder}: {stale}")
     seed = prev["seed"] if seed is None else seed
     start = time.monotonic()
     measured = measured_shapes(policy)
@@ -110,20 +103,9 @@ def carry(policy: Policy, artifacts: Mapping[str, bytes], previous: Table, runne
     seconds = time.monotonic() - start
     log(f"certify: {'passed' if passed else 'FAILED'} in {seconds:.1f} s ({'gpu' if gpu_evidence else 'emulator'}-"
         "level)")
-    cert = {
-        "format": CERT_FORMAT,
+    cert = certificate_fields(policy, artifacts, "gpu" if gpu_evidence else "emulator", prev["device"], seed,
+                              shapes) | {
         "passed": passed,
-        "level": "gpu" if gpu_evidence else "emulator",
-        "gpu_name": target,
-        "gpu_slug": gpu_slug(target),
-        "device": prev["device"],
-        "digests": policy_digests(policy) | {"artifacts": {name: sha256(data) for name, data in artifacts.items()}},
-        "tool_version": __version__,
-        "seed": seed,
-        "m_set": list(SERVED_MS),
-        "modes": list(MODES),
-        "shapes": [[s.codebook, s.n, s.k, s.origin] for s in shapes],
-        "keys": len(shapes) * len(SERVED_MS) * len(MODES),
         "emulator": None if gpu_evidence else prev.get("emulator") or {"note": "checked on the CPU emulator"},
         "checks": {CARRIED: equal.to_dict()} | {name: o.to_dict() for name, o in outcomes.items()},
         "carried": _evidence(prev) | {"via": prev["digest"], "shapes": len(carried)},

@@ -831,6 +831,27 @@ def policy_digests(policy: Policy, inventories: str | None = None) -> dict[str, 
             "inventories": inventories or inventories_digest()}
 
 
+def certificate_fields(policy: Policy, artifacts: Mapping[str, bytes], level: str, device: Mapping[str, str],
+                       seed: int, shapes: Sequence[Shape]) -> dict[str, Any]:
+    """What every certificate states of its table: format, level, GPU model, device, digests (the artifacts'
+    included), tool version, seed, M set, modes, shapes and key count; the checks are the caller's."""
+    target = str(policy.source.get("gpu_name"))
+    return {
+        "format": CERT_FORMAT,
+        "level": level,
+        "gpu_name": target,
+        "gpu_slug": gpu_slug(target),
+        "device": dict(device),
+        "digests": policy_digests(policy) | {"artifacts": {name: sha256(data) for name, data in artifacts.items()}},
+        "tool_version": __version__,
+        "seed": seed,
+        "m_set": list(M_SET),
+        "modes": list(MODES),
+        "shapes": [[s.codebook, s.n, s.k, s.origin] for s in shapes],
+        "keys": len(shapes) * len(M_SET) * len(MODES),
+    }
+
+
 def certify(policy: Policy, artifacts: Mapping[str, bytes], runner: Runner, *, seed: int = 0,
             corpus_folder: Path | None = None, checks: Iterable[str] = CHECKS, arch: str | None = None,
             log: Callable[[str], None] = _log) -> dict[str, Any]:
@@ -856,20 +877,8 @@ def certify(policy: Policy, artifacts: Mapping[str, bytes], runner: Runner, *, s
     seconds = time.monotonic() - start
     passed = all(o.result != "fail" for o in outcomes.values()) and set(outcomes) == set(CHECKS)
     log(f"certify: {'passed' if passed else 'FAILED'} in {seconds:.1f} s")
-    cert = {
-        "format": CERT_FORMAT,
+    cert = certificate_fields(policy, artifacts, runner.level, device, seed, shapes) | {
         "passed": passed,
-        "level": runner.level,
-        "gpu_name": target,
-        "gpu_slug": gpu_slug(target),
-        "device": device,
-        "digests": policy_digests(policy) | {"artifacts": {name: sha256(data) for name, data in artifacts.items()}},
-        "tool_version": __version__,
-        "seed": seed,
-        "m_set": list(M_SET),
-        "modes": list(MODES),
-        "shapes": [[s.codebook, s.n, s.k, s.origin] for s in shapes],
-        "keys": keys,
         "emulator": None if runner.level == "gpu" else {
             "columns_per_shape": EMULATED_COLUMNS,
             "note": "an output element depends only on its x row, its W row and the identity "

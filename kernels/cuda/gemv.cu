@@ -33,7 +33,7 @@ typedef unsigned int u32;
 typedef unsigned short u16;
 typedef unsigned long long u64;
 
-// Indices follow kernels.codebooks.FORMATS.
+// Indices follow kernels.codebooks.CODEBOOKS (tests/test_compile.py checks them, and Traits field by field).
 enum Codebook { Q4_0 = 0, Q4_1 = 1, Q5_0 = 2, Q5_1 = 3, Q8_0 = 4, IQ4_NL = 5, Q4_K = 6, Q5_K = 7, Q6_K = 8, IQ4_XS = 9 };
 
 template <int CB>
@@ -237,9 +237,9 @@ __device__ __forceinline__ float int_to_float(int i) { return (float)i; }
 
 // Row-major index r * n + c of a [rows][n] plane, in 32 bits (the registry refuses planes of 2^32 entries or more:
 // kernels.registry.MAX_PLANE_ENTRIES): each address is one IMAD.WIDE.U32 from its base where a 64-bit index took
-// ~5 instructions. The tensor-core engine's loads use it (0.80-0.99x version 24's time); the dp4a engine keeps 64-bit
+// ~5 instructions. The tensor-core engine's loads use it (they ran 0.80-0.99x the time); the dp4a engine keeps 64-bit
 // indices: with 32-bit ones its M = 1 loop issued ~20 fewer instructions per block yet ran up to 1.2x slower
-// (bench/NOTES.md, version 25).
+// (lab/journal.md).
 __device__ __forceinline__ u32 block_index(int r, int n, int c) { return (u32)r * (u32)n + (u32)c; }
 
 // Bits 0..3 of h become bit 4 of bytes 0..3 (the fifth bit of four consecutive Q5 values).
@@ -547,7 +547,7 @@ __device__ __forceinline__ int ticket_words(int N) { return ((N + 7) / 8 + 3) / 
 // [col_begin, col_begin + cols) to the workspace; the one that draws the last ticket of its column range (an
 // integer counter: no float atomics) folds y = ((0 + acc_0) + acc_1) + ... in ascending p, the contract's order,
 // and resets the counter for the next launch. The fold is the launch's serial tail, so it keeps loads in flight,
-// but its registers are the kernel's and cost the main loop its occupancy (bench/NOTES.md, versions 11-12): each
+// but its registers are the kernel's and cost the main loop its occupancy (measured: lab/journal.md): each
 // engine gives it a budget of FLOATS partials in flight per thread, loaded W adjacent columns at a time.
 constexpr int FOLD_AHEAD_MAX = 8;  // partitions loaded before their adds
 #ifndef GEMV_HOSTSIM
@@ -811,7 +811,7 @@ struct Flag {  // a compile-time bool as a value (a generic lambda's argument)
 // The dp4a engine's body. STAGE (M = 1, gemv_staged): the CTA first copies the activation blocks its threads walk
 // (direct and wide: all KB; kpar: its partition) into shared memory behind the direct family's partials, and the
 // threads read a block's row there at use instead of loading it with the weights: the registers that held the rows
-// in flight go to more CTAs per SM (bench/NOTES.md, version 22).
+// in flight go to more CTAs per SM.
 template <int CB, int CPT, int MT, bool GRID_SPLIT, bool STAGE>
 __device__ __forceinline__ void dp4a_partial(GEMV_PARAMS) {
     static_assert(!STAGE || MT == 1, "a staged launch computes one row");
@@ -828,10 +828,10 @@ __device__ __forceinline__ void dp4a_partial(GEMV_PARAMS) {
     // Loads of several blocks in flight; fewer when the tile already holds many registers. A group of the
     // paired formats already loads 2 (Q6_K: 4, a super-block walk 8) blocks.
     constexpr int UNROLL = G >= 4 ? 1 : (MT * CC <= 2 ? 4 / G : (MT * CC <= 4 ? 2 / G : 1));
-    // The loads of a batch of UNROLL groups are issued before the first is used (bench/NOTES.md, versions 13 and 15:
-    // a compiler-unrolled loop branched before each group's loads, one DRAM round trip per group). Q5_K batches
-    // only where a thread walks one column at a time (with two, their 8 qh words each spill); IQ4_XS's groups of
-    // one block not at all (their batch measured 1.16-1.49x slower at M = 1: bench/NOTES.md, version 16).
+    // The loads of a batch of UNROLL groups are issued before the first is used (a compiler-unrolled loop branched
+    // before each group's loads: one DRAM round trip per group). Q5_K batches only where a thread walks one column
+    // at a time (with two, their 8 qh words each spill); IQ4_XS's groups of one block not at all (their batch
+    // measured 1.16-1.49x slower at M = 1).
     constexpr int BATCH = (CB == Q5_K && CC > 1) || (CB == IQ4_XS && G == 1) ? 1 : UNROLL;
     constexpr bool ROW_AHEAD = MT == 1 && G == 1 && !STAGE;  // one row, one block per group: its activations ride along
     constexpr bool SELECTOR_ORDER = STAGE && T::TABLE;       // staged in the lookup's order (to_selector_order)
@@ -926,8 +926,8 @@ __device__ __forceinline__ void dp4a_partial(GEMV_PARAMS) {
         if (STAGE) {
             if (m0 > 0) __syncthreads();  // every thread has read the previous row
             // A thread loads a block's row, d_a and s_a together, one L2 round trip for each of its blocks, where a pass
-            // over the rows' 16-byte halves and another over the sums took three. (One block at a time: why not more,
-            // bench/NOTES.md, row 52.)
+            // over the rows' 16-byte halves and another over the sums took three. (One block at a time: more in
+            // flight did not pay, lab/journal.md.)
             for (int i = tid; i < staged; i += threads) {
                 const u64 at = (u64)(stage_begin + i) * M + m0;
                 const int4* q = reinterpret_cast<const int4*>(qa) + 2 * at;
@@ -1038,7 +1038,7 @@ __device__ __forceinline__ void dp4a_partial(GEMV_PARAMS) {
             // One row, several blocks a group or batched groups (at two rows, the interior's copy of the body took
             // Q4_K's kernels from 69-85 registers to 89-104; at eight it spilled Q5_K's): in ascending order a partial
             // first group's batch (several blocks a group), the whole batches, the rest. Not IQ4_XS's super-block walk:
-            // its staged launches ran 1.2-1.3x slower in three loops (bench/NOTES.md, row 54).
+            // its staged launches ran 1.2-1.3x slower in three loops.
             if constexpr (MT == 1 && (G > 1 || BATCH > 1) && !(CB == IQ4_XS && SUPER_WALK)) {
                 const int inner_begin = (b_begin + G - 1) / G, inner_end = b_end / G;  // the groups inside
                 int g0 = g_begin;
@@ -1203,7 +1203,7 @@ __device__ __forceinline__ void zero(float (&acc)[NT][MTILES][4]) {
             for (int e = 0; e < 4; ++e) acc[j][i][e] = 0.0f;
 }
 
-// Ring engine (bench/NOTES.md, version 9): every operand streamed into shared memory by cp.async through a ring of
+// Ring engine: every operand streamed into shared memory by cp.async through a ring of
 // 3 (or 2) K chunks, so bytes stay in flight while the warps compute, at no register cost. A CTA is THREADS / 32
 // warps, 8*NT outputs each; a chunk holds KC blocks of the CTA's payload, scales (mins, high bits) and the pass's
 // activation rows, padded to 48 bytes so the fragment loads are conflict-free, and their (d_a, sum_a) pairs. Rows
@@ -1217,8 +1217,7 @@ constexpr int ROW_WORDS = 12;  // a 32-byte row + 16 bytes of padding: rows g = 
 // Shared memory a CTA may take without opting in: registry.SHARED_MEMORY_LIMIT (tests/test_compile.py).
 constexpr int STATIC_SHARED = 49152;
 // The ring's shared memory per CTA: kpar's CTAs are many and short (S per column range), so its ring is 32 KB (7 CTAs
-// per SM instead of 4); wide keeps all the static 48 KB, whose deeper chunks it measured faster (bench/NOTES.md,
-// version 12).
+// per SM instead of 4); wide keeps all the static 48 KB, whose deeper chunks it measured faster.
 constexpr int ring_shared(bool grid_split) { return grid_split ? 32 * 1024 : STATIC_SHARED; }
 
 // One chunk's layout in shared memory, in 32-bit words (every part a multiple of 4 words: 16-byte aligned).
