@@ -3,7 +3,11 @@ the candidates whose code changed (DESIGN §5).
 
 An instantiation's digest is the SHA-256 of its PTX entry for the reference architecture (REFERENCE_ARCH), with
 what depends only on its place in a translation unit normalized away (basic-block label and local depot numbers),
-together with the module-level declarations it references. A launch's digest (`launch_digest`) adds the launch
+together with the module-level declarations it references. PTX also depends on the translation unit: nvcc
+declares a function's `__shared__` array inside the one kernel of the unit that uses it ("demoted") and at
+module level when several do, so the digests are taken from one fixed build, the registry's instantiations in
+sorted order dealt round-robin into UNITS units (`canonical_builds`), never from however many units a machine's
+cores suggest. A launch's digest (`launch_digest`) adds the launch
 facts the registry computes for a cell: kernel, grid, block, dynamic shared memory, workspace. A corpus record
 carries the launch digest of what it timed; training uses a record only while that digest is still current.
 
@@ -23,13 +27,16 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 
 from . import program
 from .errors import EnvironmentProblem
+from .ptxas import Build, compile_report, source_name
 from .registry import Candidate, instantiations
 
 REFERENCE_ARCH = "sm_90"
+UNITS = 2  # translation units of the canonical build: the committed digests are defined on this partition
 TABLE_PATH = program.SOURCE_PATH.with_name("instantiations.json")
 FORMAT = "gemv-dispatch-instantiations/1"
 DIGEST_HEX = 16  # characters of a launch digest kept in a record: 64 bits
@@ -53,8 +60,6 @@ def _block_end(ptx: str, start: int) -> int:
 def entry_digests(ptx: str) -> dict[str, str]:
     """{source-level kernel name: SHA-256} for every entry of a PTX text (kernels.ptxas.source_name spells the
     names as the registry does)."""
-    from .ptxas import source_name
-
     declarations = {m.group(1): ptx[m.start():_block_end(ptx, m.start())] for m in _DECLARATION.finditer(ptx)}
     found = {}
     for m in _ENTRY.finditer(ptx):
@@ -83,13 +88,20 @@ def nvcc_release() -> str:
     return match.group(0).strip() if match else out.strip().splitlines()[-1]
 
 
-def build(names: Iterable[str] | None = None) -> dict[str, str]:
-    """Instantiation digests from a fresh nvcc build of the package's source (every instantiation by default)."""
-    from .ptxas import build_parallel
+def canonical_builds() -> list[Build]:
+    """The build the digests are defined on: every instantiation of the registry, sorted by name and dealt
+    round-robin into UNITS translation units (compiled in parallel), for REFERENCE_ARCH."""
+    names = sorted({name for _, name in instantiations()})
+    units = [names[i::UNITS] for i in range(UNITS)]
+    with ThreadPoolExecutor(UNITS) as pool:
+        return list(pool.map(lambda unit: compile_report(unit, REFERENCE_ARCH), units))
 
-    names = sorted(set(names) if names is not None else {name for _, name in instantiations()})
+
+def build(builds: Iterable[Build] | None = None) -> dict[str, str]:
+    """Instantiation digests of `builds` (default: a fresh canonical_builds())."""
+    names = sorted({name for _, name in instantiations()})
     digests: dict[str, str] = {}
-    for part in build_parallel(names, REFERENCE_ARCH):
+    for part in canonical_builds() if builds is None else builds:
         digests |= entry_digests(part.ptx)
     missing = sorted(set(names) - set(digests))
     if missing:
