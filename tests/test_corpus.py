@@ -211,6 +211,17 @@ def test_another_gpu_model_or_an_unasked_kernel_digest_is_refused_by_shard_name(
     assert load(folder, gpu_uuid=PROV.gpu_uuid, kernel_digest=PROV.kernel_digest, gpu_name=FAKE_GPU).records
 
 
+def test_a_folder_named_for_another_gpu_model_is_refused(tmp_path):
+    h100 = fake_provenance(gpu_name="NVIDIA H100 80GB HBM3")
+    folder = build_corpus(tmp_path, h100, geometries=[(256, 256)])
+    assert folder.name == "nvidia-h100-80gb-hbm3" and load(folder).records
+    moved = folder.rename(tmp_path / "nvidia-h200")
+    with pytest.raises(InputError, match="named for GPU model nvidia-h200, its records were timed on NVIDIA H100 "
+                                         r"80GB HBM3 \(nvidia-h100-80gb-hbm3\)"):
+        load(moved)
+    assert load(moved.rename(tmp_path / "my-corpus")).records  # a folder named by its user is its user's
+
+
 def test_two_uuids_of_one_gpu_model_may_share_a_folder(tmp_path):
     folder = build_corpus(tmp_path)
     twin = fake_provenance(gpu_uuid="GPU-twin")

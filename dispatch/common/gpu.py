@@ -14,6 +14,8 @@ from typing import Any
 
 from ...kernels.errors import EnvironmentProblem, InputError
 
+GPU_SLUG_PREFIX = "nvidia-"  # every CUDA device's name begins "NVIDIA": a folder named so is named for a GPU model
+
 
 def gpu_slug(name: str) -> str:
     """Folder name of a GPU model: "NVIDIA H200" -> "nvidia-h200"."""

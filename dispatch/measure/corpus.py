@@ -59,6 +59,7 @@ from ...kernels.registry import BY_ID, Candidate, candidates_for
 from ..common.contract import MODES
 from ..common.digests import canonical_bytes, compact_json, sha256
 from ..common.files import locked, write_atomic
+from ..common.gpu import GPU_SLUG_PREFIX, gpu_slug
 from .timing import Stats, TimingConfig
 
 SHARD_FORMAT = "gemv-dispatch-shard/2"
@@ -799,6 +800,10 @@ def _verified(folder: Path, shards: tuple[Shard, ...], *, kernel_digest: str | N
     expect = {"gpu_name": gpu_name, "kernel_digest": kernel_digest, "gpu_uuid": gpu_uuid}
     if expect["gpu_name"] is None and shards:  # a folder holds one GPU model
         expect["gpu_name"] = shards[0].provenance.gpu_name
+    slug = gpu_slug(str(expect["gpu_name"])) if shards else folder.name
+    if folder.name.startswith(GPU_SLUG_PREFIX) and folder.name != slug:  # named for a GPU model: for its own
+        raise InputError(f"{folder}: the folder is named for GPU model {folder.name}, its records were timed on "
+                         f"{expect['gpu_name']} ({slug})")
     for shard in shards:
         for field, want in expect.items():
             got = getattr(shard.provenance, field)
