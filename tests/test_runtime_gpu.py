@@ -93,7 +93,10 @@ TABLES = {"default": None, "kpar": FamilyTable("kpar"), "direct": FamilyTable("d
 def table(request, monkeypatch):
     """Route the runtime's dispatch through one stand-in table (or none: the safe default)."""
     fake = TABLES[request.param]
-    load = (lambda gpu: (None, "no table (test)")) if fake is None else (lambda gpu: (fake, None))
+
+    def load(gpu: runtime.GpuModel) -> runtime.Serving:
+        return runtime.Serving(fake, None if fake else "no table (test)")
+
     monkeypatch.setattr(runtime._STATE, "dispatcher", runtime.Dispatcher(load))
     return request.param
 
@@ -123,6 +126,24 @@ def test_gemv_equals_emulator_and_serial_m1(cp, rng, table, codebook, n, k):
             assert_same_bits(cp.asnumpy(out), serial[:m], f"{table} {codebook} M={m} vs serial M=1")
         qx = runtime.quantize(xd)  # shared activations give the same bytes as quantizing inside gemv
         assert_same_bits(cp.asnumpy(runtime.gemv(w, qx)), want, f"{table} {codebook} M={m} via quantize()")
+
+
+def test_pooled_activations_are_never_shared_by_live_results(cp, rng):
+    """quantize reuses a buffer only once the Activations holding it is dropped: two live results keep their own
+    bytes, and a reused buffer holds the new x's."""
+    xs = [rng.standard_normal((4, 1024), dtype=np.float32) for _ in range(3)]
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        a = runtime.quantize(cp.asarray(xs[0]))
+        b = runtime.quantize(cp.asarray(xs[1]))
+        assert a.ptrs != b.ptrs
+        first = a.ptrs
+        del a
+        c = runtime.quantize(cp.asarray(xs[2]))
+        assert c.ptrs == first, "a dropped result's buffers were not reused"
+        stream.synchronize()
+    for qx, x in ((b, xs[1]), (c, xs[2])):
+        assert np.array_equal(cp.asnumpy(qx.buffers.q), emulate.quantize_activations(x).q)
 
 
 def test_quantize_equals_emulator(cp, rng):
