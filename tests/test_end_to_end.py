@@ -104,6 +104,7 @@ def test_dispatched_identity_on_the_emulator(model, name, monkeypatch):
     packed = runtime.read_gguf_tensor(path, name)
     x = activations(model, k)
     monkeypatch.setattr(runtime.install, "installed_table", lambda gpu_name: None)
+    monkeypatch.setattr(runtime.install, "shipped_table", lambda gpu_name, sm_count: (None, []))
     without = runtime.Dispatcher()
     with pytest.warns(RuntimeWarning, match="safe default"):
         choice = without.choose(runtime.GpuModel("TestGPU", 100), packed.execution, 1, n, k, "eager")

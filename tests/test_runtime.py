@@ -4,15 +4,18 @@ warning, and every input mistake refused from host metadata alone, before anythi
 from __future__ import annotations
 
 import ctypes
+import shutil
 import sys
 import types
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
 import pytest
-from gemv_dispatch.dispatch.serve import runtime
+from gemv_dispatch.dispatch.common.paths import data_dir
+from gemv_dispatch.dispatch.serve import install, runtime
 from gemv_dispatch.kernels import launch, layout
 from gemv_dispatch.kernels.codebooks import quantize
 from gemv_dispatch.kernels.errors import EnvironmentProblem, InputError
@@ -46,8 +49,9 @@ def loader(table: FakeTable | None):
 
 @pytest.fixture
 def nothing_installed(monkeypatch):
-    """No installed table for any GPU."""
+    """No installed table for any GPU, and no shipped table either (each test may ship its own)."""
     monkeypatch.setattr(runtime.install, "installed_table", lambda gpu_name: None)
+    monkeypatch.setattr(runtime.install, "shipped_table", lambda gpu_name, sm_count: (None, []))
 
 
 # --- dispatch --------------------------------------------------------------------------------------------
@@ -122,6 +126,136 @@ def test_installed_table_or_why_not(monkeypatch):
     monkeypatch.setattr(runtime.install, "installed_table", lambda gpu_name: good)
     assert runtime.installed_table(GPU.name) == (good, None)
     assert runtime.serving_table(GPU) == runtime.Serving(good, None)  # an installed table: served, no warning
+
+
+# --- no table installed: a shipped table --------------------------------------------------------------------
+
+H100 = runtime.GpuModel("NVIDIA H100 80GB HBM3", 132)
+
+
+def test_without_an_installed_table_the_shipped_one_serves_with_its_identities(monkeypatch):
+    """The committed table (verified as install verifies) serves a GPU model with none installed: one warning naming
+    it and `tune`, then its answers, one identity per shape for every M and mode, so grouped launches equal serial
+    M = 1 ones; never the safe default where a shipped table loads."""
+    monkeypatch.setattr(runtime.install, "installed_table", lambda gpu_name: None)
+    d = runtime.Dispatcher()
+    with pytest.warns(RuntimeWarning) as caught:
+        first = d.choose(H100, "q4_0", 1, 4096, 4096, "eager")
+    (message,) = [str(w.message) for w in caught]
+    assert "no dispatch table is installed for NVIDIA H100 80GB HBM3" in message
+    assert "shipped table of NVIDIA H200 (tuned on 132 SMs, the nearest to this GPU's 132)" in message
+    assert "gemv-dispatch tune" in message and runtime.SAFE_DEFAULT not in message
+    assert first.source in ("overlay", "fallback")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once
+        for codebook, n, k in (("q4_0", 4096, 4096), ("q4_0", 4096, 14336), ("q8_0", 151936, 4096),
+                               ("q4_k", 1024, 4096), ("iq4_nl", 1000, 2080)):
+            choices = [d.choose(H100, codebook, m, n, k, mode) for m in (*range(1, 17), 31)
+                       for mode in ("graph", "eager")]
+            assert len({c.identity for c in choices}) == 1, (codebook, n, k)
+            assert all(c.candidate.valid(m, n, k) for c, m in zip(choices, [m for m in (*range(1, 17), 31)
+                                                                            for _ in range(2)], strict=True))
+    # The table of its own model is served as certified for it (the same warning names it so).
+    own = runtime.serving_table(runtime.GpuModel("NVIDIA H200", 132))
+    assert own.table is not None and own.table.gpu_level and "certified on a GPU of this model" in own.warning
+
+
+def test_a_shipped_table_is_verified_as_install_verifies(tmp_path):
+    """A committed table whose module was edited after certification is refused by name (and the intact copy, the
+    negative control, serves): the shipped tables go through install's verifier, not around it."""
+    shipped = data_dir() / "generated" / "nvidia-h200"
+    for copy in ("intact", "edited"):
+        shutil.copytree(shipped, tmp_path / copy / "nvidia-h200")
+    module = tmp_path / "edited" / "nvidia-h200" / "dispatch_table.py"
+    module.write_text(module.read_text().replace("SM_COUNT = 132", "SM_COUNT = 133"))
+    table, refused = install.shipped_table("GPU X", 132, tmp_path / "intact")
+    assert table is not None and table.table.gpu_name == "NVIDIA H200" and refused == []
+    table, refused = install.shipped_table("GPU X", 132, tmp_path / "edited")
+    assert table is None and len(refused) == 1 and "differ from what the certificate binds" in refused[0]
+
+
+@dataclass
+class ShippedTable:  # what install.shipped_table ranks: a verified Table's fields
+    gpu_name: str
+    sm_count: int | None
+    folder: Path
+    level: str = "gpu"
+
+    @property
+    def module(self):
+        return types.SimpleNamespace() if self.sm_count is None else types.SimpleNamespace(SM_COUNT=self.sm_count)
+
+
+@pytest.fixture
+def shipped(tmp_path, monkeypatch):
+    """A shipped-data folder of table folders, each standing for a verified table (install._verified faked):
+    ship(slug, gpu_name, sm_count, ...) adds one; a verify failure is an InputError."""
+    tables: dict[str, ShippedTable | InputError] = {}
+
+    def ship(slug: str, gpu_name: str, sm_count: int | None, level: str = "gpu", refused: str | None = None):
+        folder = tmp_path / "generated" / slug
+        folder.mkdir(parents=True)
+        (folder / "certificate.json").write_text("{}")
+        tables[str(folder)] = InputError(f"{folder}: {refused}") if refused else ShippedTable(
+            gpu_name, sm_count, folder, level)
+
+    def verified(folder: str):
+        table = tables[folder]
+        if isinstance(table, InputError):
+            raise table
+        return table
+
+    monkeypatch.setattr(install, "_verified", verified)
+    ship.data = tmp_path
+    ship.root = tmp_path / "generated"
+    return ship
+
+
+def shipped_for(shipped, gpu_name: str, sm_count: int) -> tuple[str | None, bool, list[str]]:
+    table, refused = install.shipped_table(gpu_name, sm_count, shipped.root)
+    return (None, False, refused) if table is None else (table.table.gpu_name, table.gpu_level, refused)
+
+
+def test_shipped_table_is_this_models_else_the_nearest_by_sm_count(shipped):
+    shipped("gpu-a", "GPU A", 132)
+    shipped("gpu-b", "GPU B", 80)
+    shipped("gpu-c", "GPU C", 108)
+    assert shipped_for(shipped, "GPU X", 114) == ("GPU C", False, [])  # |108 - 114| < |132 - 114|
+    assert shipped_for(shipped, "GPU X", 128) == ("GPU A", False, [])  # negative control: nearer to 132
+    assert shipped_for(shipped, "GPU X", 10) == ("GPU B", False, [])
+    assert shipped_for(shipped, "gpu b", 130) == ("GPU B", True, [])  # its own model first, however far
+
+
+def test_shipped_table_ties_go_to_the_folder_name_and_a_table_without_sm_count_last(shipped):
+    shipped("gpu-z", "GPU Z", 100)
+    shipped("gpu-y", "GPU Y", 120)
+    shipped("gpu-w", "GPU W", None)
+    assert shipped_for(shipped, "GPU X", 110) == ("GPU Y", False, [])
+    assert shipped_for(shipped, "GPU X", 100_000)[0] == "GPU Y"
+
+
+def test_shipped_tables_that_fail_verification_or_are_emulator_level_are_skipped_and_named(shipped):
+    shipped("gpu-a", "GPU A", 132, refused="its bytes differ from what the certificate binds")
+    shipped("gpu-b", "GPU B", 130, level="emulator")
+    assert shipped_for(shipped, "GPU X", 132) == (None, False, [
+        f"{shipped.root / 'gpu-a'}: its bytes differ from what the certificate binds",
+        f"{shipped.root / 'gpu-b'}: certified on the emulator only"])
+    shipped("gpu-c", "GPU C", 20)
+    name, _, refused = shipped_for(shipped, "GPU X", 132)
+    assert name == "GPU C" and len(refused) == 2  # the far one that verifies serves; the refused are named
+
+
+def test_safe_default_only_when_no_shipped_table_loads(monkeypatch, shipped):
+    monkeypatch.setattr(runtime.install, "installed_table", lambda gpu_name: None)
+    monkeypatch.setattr(install, "data_dir", lambda: shipped.data)
+    serving = runtime.serving_table(GPU)  # no shipped tables at all
+    assert serving.table is None and runtime.SAFE_DEFAULT in serving.warning and "no shipped" not in serving.warning
+    shipped("gpu-a", "GPU A", 132, refused="certified for kernel code 0123")
+    serving = runtime.serving_table(GPU)
+    assert serving.table is None and "no shipped table loads" in serving.warning and "0123" in serving.warning
+    shipped("gpu-b", "GPU B", 100)
+    serving = runtime.serving_table(GPU)  # negative control: one that loads serves instead of the default
+    assert serving.table.table.gpu_name == "GPU B" and runtime.SAFE_DEFAULT not in serving.warning
 
 
 # --- prepare ---------------------------------------------------------------------------------------------

@@ -89,14 +89,18 @@ TABLES = {"default": None, "kpar": FamilyTable("kpar"), "direct": FamilyTable("d
           "wide-mma": FamilyTable("wide", "mma"), "kpar-mma": FamilyTable("kpar", "mma")}
 
 
-@pytest.fixture(params=sorted(TABLES))
+@pytest.fixture(params=[*sorted(TABLES), "shipped"])
 def table(request, monkeypatch):
-    """Route the runtime's dispatch through one stand-in table (or none: the safe default)."""
-    fake = TABLES[request.param]
+    """Route the runtime's dispatch through one stand-in table, none (the safe default), or what serves a GPU with
+    no installed table (a shipped table)."""
+    fake = TABLES.get(request.param)
 
     def load(gpu: runtime.GpuModel) -> runtime.Serving:
         return runtime.Serving(fake, None if fake else "no table (test)")
 
+    if request.param == "shipped":
+        monkeypatch.setattr(runtime.install, "installed_table", lambda gpu_name: None)
+        load = runtime.serving_table
     monkeypatch.setattr(runtime._STATE, "dispatcher", runtime.Dispatcher(load))
     return request.param
 

@@ -18,7 +18,9 @@ the caller's stream is capturing, else "eager"; each answer is cached per key an
 prepared matrix and (M, mode) as a kernels.launch.PreparedLaunch (function handle and argument buffer built
 once), so a repeated call costs the metadata checks, a few dictionary lookups, patching the pointers that changed
 and cuLaunchKernel on the caller's raw stream handle. The table is the installed one (GPU-level certified for this
-model); else, with one warning, SAFE_DEFAULT, which is valid for every shape and gives the same
+model); else, with one warning, a shipped table (install.shipped_table: this model's committed table, else the
+nearest model's by SM count), verified as install verifies and used with its identities, so a process stays
+byte-identical across M; else, with one warning, SAFE_DEFAULT, which is valid for every shape and gives the same
 bytes as any identity-1 table choice.
 
 Memory: nothing is allocated on the hot path of an eager caller. quantize() takes its buffers from a pool per
@@ -65,12 +67,12 @@ _FLOAT32 = np.dtype(np.float32)  # compared on every call: a dtype object, not a
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Dispatch: the installed table, or the safe default
+# Dispatch: the installed table, a shipped one, or the safe default
 
 
 @dataclass(frozen=True)
 class GpuModel:
-    """What dispatch knows of a GPU: its model name (the table's key) and SM count."""
+    """What dispatch knows of a GPU: its model name (the table's key) and SM count (to find the nearest table)."""
 
     name: str
     sm_count: int
@@ -104,13 +106,28 @@ def installed_table(gpu_name: str) -> tuple[Any, str | None]:
     return table, None
 
 
+_TUNE = "Run `gemv-dispatch tune` to install a table certified on this GPU."
+
+
 def serving_table(gpu: GpuModel) -> Serving:
-    """The installed table of this GPU model, else SAFE_DEFAULT."""
+    """The installed table of this GPU model; else the shipped table install.shipped_table picks (this model's
+    committed table, else the nearest model's by SM count), verified as install verifies, whose identities keep
+    every result byte-identical across M; else SAFE_DEFAULT."""
     table, why = installed_table(gpu.name)
     if table is not None:
         return Serving(table)
-    return Serving(None, f"{why}; every GEMV on this GPU uses the safe default {SAFE_DEFAULT} (correct and "
-                         "byte-identical across M, not tuned). Run `gemv-dispatch tune` to install a certified table.")
+    shipped, refused = install.shipped_table(gpu.name, gpu.sm_count)
+    if shipped is None:
+        unusable = f"; no shipped table loads ({'; '.join(refused)})" if refused else ""
+        return Serving(None, f"{why}{unusable}; every GEMV on this GPU uses the safe default {SAFE_DEFAULT} "
+                             f"(correct and byte-identical across M, not tuned). {_TUNE}")
+    name = shipped.table.gpu_name
+    if shipped.gpu_level:
+        return Serving(shipped, f"{why}; serving the table shipped for {name}, certified on a GPU of this model. "
+                                "Run `gemv-dispatch tune` to install one tuned on this GPU.")
+    return Serving(shipped, f"{why}; serving the shipped table of {name} (tuned on {shipped.sm_count} SMs, the "
+                            f"nearest to this GPU's {gpu.sm_count}): one K split per shape, so results are "
+                            f"byte-identical across M, but neither tuned nor certified on this GPU model. {_TUNE}")
 
 
 class Dispatcher:
