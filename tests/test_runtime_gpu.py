@@ -7,6 +7,7 @@ see the poison. Seeds are printed (shown by pytest on failure); outputs are pois
 
 from __future__ import annotations
 
+import threading
 from typing import NamedTuple
 
 import numpy as np
@@ -148,6 +149,51 @@ def test_pooled_activations_are_never_shared_by_live_results(cp, rng):
         stream.synchronize()
     for qx, x in ((b, xs[1]), (c, xs[2])):
         assert np.array_equal(cp.asnumpy(qx.buffers.q), emulate.quantize_activations(x).q)
+
+
+@pytest.mark.filterwarnings("ignore:gemv-dispatch")
+def test_reused_scratch_gives_each_call_its_own_bytes(cp, rng):
+    """gemv(w, x) quantizes into a pooled buffer it returns once its launches are enqueued: calls issued back to
+    back on one stream (no host wait between them) each see their own x."""
+    n, k, m = 1000, 2048, 3
+    packed = make_packed("Q8_0", n, k, rng)
+    w = runtime.prepare(packed)
+    xs = [rng.standard_normal((m, k), dtype=np.float32) for _ in range(4)]
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        spin(cp, stream)  # everything below is enqueued before any of it runs
+        ys = [runtime.gemv(w, cp.asarray(x)) for x in xs]
+    stream.synchronize()
+    for i, (x, y) in enumerate(zip(xs, ys, strict=True)):
+        assert_same_bits(cp.asnumpy(y), expected(packed, w, x), f"call {i}")
+
+
+@pytest.mark.filterwarnings("ignore:gemv-dispatch")
+def test_threads_launch_one_matrix_concurrently(cp, rng):
+    """Each thread patches its own copy of a prepared launch's arguments: threads sharing one matrix (and so one
+    prepared launch per M) on their own streams all get their own results."""
+    n, k, m = 512, 4096, 2
+    packed = make_packed("Q4_0", n, k, rng)
+    w = runtime.prepare(packed)
+    xs = [rng.standard_normal((m, k), dtype=np.float32) for _ in range(8)]
+    results: dict[int, np.ndarray] = {}
+
+    def work(i: int) -> None:
+        stream = cp.cuda.Stream(non_blocking=True)
+        with stream:
+            x = cp.asarray(xs[i])
+            for _ in range(50):
+                y = runtime.gemv(w, x)
+            results[i] = cp.asnumpy(y)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(xs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(results) == list(range(len(xs)))
+    for i, x in enumerate(xs):
+        assert_same_bits(results[i], expected(packed, w, x), f"thread {i}")
 
 
 def test_quantize_equals_emulator(cp, rng):
