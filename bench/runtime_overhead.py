@@ -78,11 +78,11 @@ def raw_launch(w: runtime.Weights, qx: runtime.Activations, out: Any, stream: An
     ws = launch.new_workspace(need, w.n) if need else None
     qa, da, sa = qx.ptrs
     prepared = launch.plan(cand, w.planes, qx.m).prepare(
-        {"qa": qa, "da": da, "sa": sa, "out": out.data.ptr, "ws": launch.address(ws)})
+        {"qa": qa, "da": da, "sa": sa, "out": out.data.ptr, "ws": launch.address(ws)}, keep=(qx, out, ws))
     f, gx, gy, gz, bx, by, bz, shared = prepared.head
     argv, handle, launch_kernel = prepared.argv, stream.ptr, cp.cuda.driver.launchKernel
 
-    def raw(held: tuple[Any, ...] = (prepared, ws)) -> None:  # held: what the fixed pointers address
+    def raw(held: launch.PreparedLaunch = prepared) -> None:  # held: the launch whose buffer `argv` addresses
         launch_kernel(f, gx, gy, gz, bx, by, bz, shared, handle, argv, 0)
     return raw, cand.id
 

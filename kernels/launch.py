@@ -503,18 +503,18 @@ class Plan:
     scalars: tuple[int, ...]  # M, N, KB, partition width (GEMV_SCALARS)
     workspace_floats: int  # kpar's tickets and partials (Candidate.workspace_bytes / 4); 0 for the others
 
-    def prepare(self, fixed: Mapping[str, int] | None = None,
+    def prepare(self, fixed: Mapping[str, int] | None = None, keep: Any = None,
                 launch_kernel: Callable[..., Any] | None = None) -> PreparedLaunch:
         """The launch on the current device. Each `launch(stream, (qa, da, sa, out, ws))` then takes the
         activations' base pointers (`storage`), the output's and the workspace's (0 for none); `fixed` may give some
-        of those once instead (a timing loop's), and each launch then takes only the others, in GEMV_PER_CALL
-        order."""
+        of those once instead (a timing loop's, with `keep` the buffers they address, kept alive with the launch),
+        and each launch then takes only the others, in GEMV_PER_CALL order."""
         fixed = dict(fixed or {})
         values = {**dict(zip(program.planes(), map(address, self.weights), strict=True)),
                   **dict(zip(GEMV_SCALARS, self.scalars, strict=True)), **fixed}
         slots = gemv_slots(tuple(name for name in GEMV_PER_CALL if name not in fixed))
         return PreparedLaunch(_function(self.kernel), self.grid, self.block, self.shared, slots, values,
-                              keep=self.weights, launch_kernel=launch_kernel)
+                              keep=(self.weights, keep), launch_kernel=launch_kernel)
 
 
 def plan(candidate: Candidate, weights: DeviceWeights, m: int) -> Plan:
@@ -551,7 +551,7 @@ def bind(candidate: Candidate, copies: Sequence[DeviceWeights], qact: QuantizedA
     qa, da, sa = storage(qact)
     fixed = {"qa": qa, "da": da, "sa": sa, "out": address(out),
              "ws": address(workspace if candidate.grid_split else None)}
-    launches = [plan(candidate, w, qact.m).prepare(fixed) for w in copies]
+    launches = [plan(candidate, w, qact.m).prepare(fixed, keep=(qact, out, workspace)) for w in copies]
     handle = stream.ptr
 
     def launch(i: int) -> None:

@@ -116,7 +116,7 @@ def time_cell(modules: dict[str, tuple[Any, int]], rings: dict[str, tuple[int, i
                 name = spelled(c.kernel_name(codebook, m), arity)
                 plans = [replace(p, kernel=launch.opt_in(name, module.get_function(name))) for p in plans]
             fixed = {"qa": qa, "da": da, "sa": sa, "out": launch.address(out), "ws": launch.address(ws)}
-            prepared = [p.prepare(fixed) for p in plans]
+            prepared = [p.prepare(fixed, keep=(qact, out, ws)) for p in plans]
             launches[f"{tag}:{c.id}"] = lambda i, prepared=prepared: prepared[i].launch(stream.ptr)
             launches[f"{tag}:{c.id}"](0)
             results[(tag, c.id)] = (out, ws)
