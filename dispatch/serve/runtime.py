@@ -25,8 +25,9 @@ bytes as any identity-1 table choice.
 
 Memory: nothing is allocated on the hot path of an eager caller. quantize() takes its buffers from a pool per
 (device, caller stream, M, KB) and thread; they return to it when the Activations is dropped, and the caller's
-stream orders their reuse (as CuPy's and torch's pools do: use a result on another stream only once that stream
-is ordered after the quantize, and drop it only after that use is enqueued). gemv(w, x) quantizes into such a
+stream orders their reuse, as in CuPy's and torch's pools: a result used on another stream needs that stream
+ordered after the quantize, and the quantizing stream ordered after that use before the result is dropped (an
+event, or a host synchronization). gemv(w, x) quantizes into such a
 buffer and returns it once its launches are enqueued. Fresh pool buffers come from CuPy's pool on the caller's
 stream, for torch callers too. kpar workspaces hold ticket counters that every launch leaves zero, so the
 runtime keeps them, one per (device, launch stream, N). Results (`out` not given) come from the allocator of
