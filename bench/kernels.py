@@ -234,11 +234,13 @@ def time_quantize(m: int, k: int, stream: Any) -> float:
     """Device µs of one activation quantization of float32 [M, K] (graph replay; the input is small: hot)."""
     with stream:
         x = cp.random.default_rng(k).standard_normal((m, k), dtype=cp.float32)
-        store = launch.storage(launch.empty_activations(m, k))
+        qact = launch.empty_activations(m, k)
     stream.synchronize()
+    quantize = launch.quantize_launch(cp.cuda.runtime.getDevice(), m, k // 32)
+    args, handle = (x.data.ptr, *launch.storage(qact)), stream.ptr
 
-    def run(_: int) -> None:
-        launch.enqueue_quantize(x, m, k // 32, store, stream)
+    def run(_: int, held: Any = qact) -> None:  # held: the buffers `args` addresses
+        quantize.launch(handle, args)
 
     stats = time_candidates({"quantize": run}, 1, replace(CONFIG, cold_l2=False), CupyBackend(stream))
     return stats["quantize"].median_us

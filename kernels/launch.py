@@ -7,19 +7,22 @@ No launch goes to a default stream (docs/contract.md §3). Stream contract of `q
   thread and device that first waits on an event recorded on the caller's stream and afterwards makes the
   caller's stream wait on an event recorded after the launches (`launch_stream`, `rejoin`): ordered both
   ways with the caller's work (docs/policy.md §9), with no host synchronization.
-Nothing here synchronizes the host except the opt-in `strict` finiteness check. `bind` resolves a launch
-once for timing loops: zero host work per launch beyond the launch itself.
-The module for a codebook is compiled once per process by NVRTC with the contract's options, for the
-device's own architecture.
+Nothing here synchronizes the host except the opt-in `strict` finiteness check.
+Launches are prepared (`PreparedLaunch`): the kernel's function handle and its argument buffer are built once,
+and a launch patches only the pointers that change, then calls cuLaunchKernel on a raw stream handle; no
+per-launch argument marshalling. `bind` prepares every launch of a timing loop: zero host work per launch
+beyond cuLaunchKernel itself. The module for a codebook is compiled once per process by NVRTC with the
+contract's options, for the device's own architecture.
 """
 
 from __future__ import annotations
 
 import ctypes
+import struct
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, partial
 from typing import Any
 
 import numpy as np
@@ -142,9 +145,9 @@ def empty_activations(m: int, k: int) -> QuantizedActivations:
     )
 
 
-def storage(qact: QuantizedActivations) -> tuple[np.uint64, np.uint64, np.uint64]:
+def storage(qact: QuantizedActivations) -> tuple[int, int, int]:
     """Base pointers of the block-major buffers behind the [M, KB] views, as the kernels take them."""
-    return tuple(np.uint64(a.data.ptr) for a in (qact.q, qact.d, qact.sum))
+    return qact.q.data.ptr, qact.d.data.ptr, qact.sum.data.ptr
 
 
 def is_block_major(qact: QuantizedActivations) -> bool:
@@ -153,24 +156,29 @@ def is_block_major(qact: QuantizedActivations) -> bool:
                for a in (qact.q, qact.d, qact.sum))
 
 
+# ---------------------------------------------------------------------------------------------------------
+# Streams, as raw handles: the hot path never builds a stream object
+
+
 # Stream handles of the default streams: the null stream (0), cudaStreamLegacy (1), cudaStreamPerThread (2).
 DEFAULT_STREAMS = (0, 1, 2)
 
 
-def is_default_stream(stream: Any) -> bool:
-    return stream.ptr in DEFAULT_STREAMS
+def is_default_stream(handle: int) -> bool:
+    return handle in DEFAULT_STREAMS
 
 
 def check_stream(stream: Any) -> None:
     """An explicit stream argument must be a CuPy stream object other than a default stream."""
-    if not isinstance(getattr(stream, "ptr", None), int) or is_default_stream(stream):
+    if not isinstance(getattr(stream, "ptr", None), int) or is_default_stream(stream.ptr):
         raise InputError("launches need an explicit CuPy stream (cupy.cuda.Stream(non_blocking=True)), not stream 0")
 
 
 @dataclass(frozen=True)
 class _Bridge:
     """The internal stream that serves callers whose current stream is a default stream, with the two events
-    that order it with them. Reusing the events is safe: a wait binds to the record that precedes it."""
+    that order it with them (the objects own the handles). Reusing the events is safe: a wait binds to the record
+    that precedes it."""
 
     stream: Any  # non-blocking, so it never serializes with unrelated default-stream work
     entered: Any  # recorded on the caller's stream before the launches
@@ -197,26 +205,28 @@ def _bridge(cp: Any) -> _Bridge:
     return bridge
 
 
-def launch_stream(caller: Any) -> Any:
-    """The stream to launch on for a caller whose current stream is `caller`: `caller` itself when it is an
-    explicit stream; else this thread's internal stream for the current device, made to wait (on the device,
-    not the host) for everything already enqueued on `caller`. Pair with `rejoin` after the launches."""
-    if not is_default_stream(caller):
+def launch_stream(caller: int) -> int:
+    """The stream handle to launch on for a caller whose current stream is `caller` (a handle): `caller` itself
+    when it is an explicit stream; else this thread's internal stream for the current device, made to wait (on
+    the device, not the host) for everything already enqueued on `caller`. Pair with `rejoin` after the
+    launches."""
+    if caller not in DEFAULT_STREAMS:
         return caller
     cp = require_cupy()
     bridge = _bridge(cp)
-    bridge.entered.record(caller)
-    bridge.stream.wait_event(bridge.entered)
-    return bridge.stream
+    cp.cuda.runtime.eventRecord(bridge.entered.ptr, caller)
+    cp.cuda.runtime.streamWaitEvent(bridge.stream.ptr, bridge.entered.ptr)
+    return bridge.stream.ptr
 
 
-def rejoin(caller: Any, launched_on: Any) -> None:
+def rejoin(caller: int, launched_on: int) -> None:
     """After launches on `launched_on = launch_stream(caller)`: make `caller` wait for them (device-side)."""
-    if launched_on is caller:
+    if launched_on == caller:
         return
-    bridge = _bridge(require_cupy())
-    bridge.done.record(launched_on)
-    caller.wait_event(bridge.done)
+    cp = require_cupy()
+    bridge = _bridge(cp)
+    cp.cuda.runtime.eventRecord(bridge.done.ptr, launched_on)
+    cp.cuda.runtime.streamWaitEvent(caller, bridge.done.ptr)
 
 
 def caller_stream(stream: Any = None) -> Any:
@@ -228,6 +238,10 @@ def caller_stream(stream: Any = None) -> Any:
     return require_cupy().cuda.get_current_stream()
 
 
+# ---------------------------------------------------------------------------------------------------------
+# Kernels and prepared launches
+
+
 @cache
 def _module(codebook: str | None) -> Any:
     """The compiled instantiations of one codebook, or (None) the helper kernels; built once per process."""
@@ -237,8 +251,9 @@ def _module(codebook: str | None) -> Any:
 
 
 @cache
-def _kernel(codebook: str | None, name: str) -> Any:
-    """A compiled kernel, looked up and opted in once: launches sit on the timed host path of eager mode."""
+def _kernel(device: int, codebook: str | None, name: str) -> Any:
+    """A compiled kernel, looked up and opted in once per device (`device` is the current one): a function's
+    attributes belong to the device it is loaded on."""
     return opt_in(name, _module(codebook).get_function(name))
 
 
@@ -252,8 +267,153 @@ def opt_in(name: str, kernel: Any) -> Any:
     return kernel
 
 
-def _helper(name: str) -> Any:
-    return _kernel(None, name)
+# A kernel parameter's C type -> its struct code: pointers travel as 64-bit addresses, `int` as int32.
+_INT_TYPES = {"int": "i"}
+POINTER = "Q"
+
+
+def _code(kind: str) -> str:
+    if kind.endswith("*"):
+        return POINTER
+    if kind in _INT_TYPES:
+        return _INT_TYPES[kind]
+    raise ValueError(f"kernel parameter type {kind!r} has no launch encoding")
+
+
+@dataclass(frozen=True)
+class ArgSlots:
+    """Where each kernel argument's value lies in a prepared launch's argument buffer: the per-call arguments first
+    and adjacent (one struct write patches them all), then the fixed ones, each at its natural alignment.
+    cuLaunchKernel reads argument i through the i-th pointer of the parameter array, so the buffer's order is
+    free; each value's width is that of its declared type."""
+
+    names: tuple[str, ...]  # the kernel's parameters, in declared order
+    codes: tuple[str, ...]  # their struct codes (POINTER or "i")
+    offsets: tuple[int, ...]  # byte offset of each parameter's value in the buffer
+    size: int  # bytes, a multiple of 8
+    per_call: struct.Struct  # packs the per-call arguments, in their given order, at offset 0
+    fixed: tuple[str, ...]  # the other parameters
+
+    @classmethod
+    def of(cls, params: Sequence[tuple[str, str]], per_call: Sequence[str]) -> ArgSlots:
+        """Slots for a kernel's declared (type, name) parameters (program.declared_params) with `per_call` patched
+        at every launch; ValueError for an unknown name or type."""
+        names = tuple(name for _, name in params)
+        codes = dict(zip(names, (_code(kind) for kind, _ in params), strict=True))
+        unknown = [name for name in per_call if name not in codes]
+        if unknown:
+            raise ValueError(f"no kernel parameter named {', '.join(unknown)} (the kernel takes {', '.join(names)})")
+        fixed = tuple(name for name in names if name not in per_call)
+        offsets: dict[str, int] = {}
+        end = 0
+        for name in (*per_call, *fixed):
+            width = struct.calcsize(codes[name])
+            offsets[name] = end = -(-end // width) * width
+            end += width
+        head = "<" + "".join(codes[name] for name in per_call)
+        run = offsets[per_call[-1]] + struct.calcsize(codes[per_call[-1]]) if per_call else 0
+        if struct.calcsize(head) != run:  # "<" packs without padding: the slots above would not match
+            raise ValueError(f"per-call arguments {', '.join(per_call)} need padding between them; order them "
+                             "widest first")
+        return cls(names, tuple(codes[n] for n in names), tuple(offsets[n] for n in names), -(-end // 8) * 8,
+                   struct.Struct(head), fixed)
+
+
+class PreparedLaunch:
+    """One kernel launch on the device current at construction: its function handle, geometry and argument buffer
+    built once. `launch(stream, values)` writes the per-call argument values (ArgSlots.per_call order) into the
+    buffer and calls cuLaunchKernel on a raw stream handle. cuLaunchKernel copies the arguments before it returns,
+    so a buffer serves every launch; each thread gets its own copy of it, since CuPy's binding releases the GIL
+    around the call and another thread could patch a shared buffer while the driver reads it."""
+
+    __slots__ = ("_call", "_head", "_keep", "_local", "_template", "_write", "slots")
+
+    def __init__(self, function: int, grid: tuple[int, int, int], block: tuple[int, int, int], shared: int,
+                 slots: ArgSlots, fixed: Mapping[str, int], keep: Any = None,
+                 launch_kernel: Callable[..., Any] | None = None) -> None:
+        missing = sorted(set(slots.fixed) - set(fixed))
+        if missing:
+            raise ValueError(f"no value for kernel parameter {', '.join(missing)}")
+        self.slots = slots
+        template = bytearray(slots.size)
+        for name, code, offset in zip(slots.names, slots.codes, slots.offsets, strict=True):
+            if name in fixed:
+                struct.pack_into("<" + code, template, offset, int(fixed[name]))
+        self._template = bytes(template)
+        self._head = (function, *grid, *block, shared)
+        # cuLaunchKernel's leading arguments bound once: a call passes only the stream, the parameters and `extra`.
+        self._call = partial(launch_kernel or require_cupy().cuda.driver.launchKernel, *self._head)
+        self._write = slots.per_call.pack_into
+        self._local = threading.local()
+        self._keep = keep  # what the fixed pointers address, alive as long as the launch
+
+    def _buffers(self) -> tuple[Any, int]:
+        """This thread's argument buffer and the address of its parameter array, made on its first launch."""
+        try:
+            return self._local.buffers
+        except AttributeError:
+            store = (ctypes.c_uint64 * (self.slots.size // 8)).from_buffer_copy(self._template)
+            base = ctypes.addressof(store)
+            argv = (ctypes.c_void_p * len(self.slots.names))(*(base + offset for offset in self.slots.offsets))
+            self._local.arrays = (store, argv)  # the ctypes objects own the memory the addresses name
+            self._local.buffers = (store, ctypes.addressof(argv))
+            return self._local.buffers
+
+    @property
+    def head(self) -> tuple[int, ...]:
+        """(function, grid x/y/z, block x/y/z, dynamic shared bytes): cuLaunchKernel's leading arguments."""
+        return self._head
+
+    @property
+    def argv(self) -> int:
+        """Address of this thread's parameter array (one pointer per kernel parameter, into its argument buffer)."""
+        return self._buffers()[1]
+
+    def argument_bytes(self) -> bytes:
+        """This thread's argument buffer as it stands (for tests)."""
+        return bytes(self._buffers()[0])
+
+    def launch(self, stream: int, values: tuple[int, ...] = ()) -> None:
+        """Enqueue the kernel on the stream handle `stream` with these per-call argument values."""
+        try:
+            store, argv = self._local.buffers
+        except AttributeError:
+            store, argv = self._buffers()
+        self._write(store, 0, *values)
+        self._call(stream, argv, 0)
+
+
+def _function(kernel: Any) -> int:
+    """The CUfunction handle of a CuPy RawKernel on the current device."""
+    return kernel.kernel.ptr
+
+
+def address(buffer: Any) -> int:
+    """A kernel pointer argument's value: a device array's address, an address as given, 0 for None."""
+    if buffer is None:
+        return 0
+    data = getattr(buffer, "data", None)
+    return int(data.ptr) if data is not None and hasattr(data, "ptr") else int(buffer)
+
+
+# The activations kernel (kernels/cuda/gemv.cu, quantize_activations): x and the three buffers change per call.
+QUANTIZE_PER_CALL = ("x", "q", "d", "sums")
+QUANTIZE_THREADS = 256
+
+
+@cache
+def _quantize_slots() -> ArgSlots:
+    return ArgSlots.of(program.declared_params(program.source(), "quantize_activations"), QUANTIZE_PER_CALL)
+
+
+@cache
+def quantize_launch(device: int, m: int, kb: int) -> PreparedLaunch:
+    """The prepared activation quantization of M rows of KB blocks on `device` (the current device): launch it with
+    the stream and the addresses (x, q, d_a, sum_a), q/d_a/sum_a block-major (`storage`)."""
+    fixed = {"M": m, "KB": kb}
+    return PreparedLaunch(_function(_kernel(device, None, "quantize_activations")),
+                          (-(-m * kb * BLOCK // QUANTIZE_THREADS), 1, 1), (QUANTIZE_THREADS, 1, 1), 0,
+                          _quantize_slots(), fixed)  # one warp per (row, block)
 
 
 def quantize_activations(x: Any, stream: Any = None, out: QuantizedActivations | None = None, *,
@@ -279,22 +439,10 @@ def quantize_activations(x: Any, stream: Any = None, out: QuantizedActivations |
     kb = k // BLOCK
     if (out.m, out.kb) != (m, kb) or not is_block_major(out):
         raise InputError(f"`out` must be launch.empty_activations({m}, {k})")
-    on = launch_stream(caller)
-    enqueue_quantize(x, m, kb, storage(out), on)
-    rejoin(caller, on)
+    on = launch_stream(caller.ptr)
+    quantize_launch(cp.cuda.runtime.getDevice(), m, kb).launch(on, (x.data.ptr, *storage(out)))
+    rejoin(caller.ptr, on)
     return out
-
-
-QUANTIZE_THREADS = 256
-
-
-def enqueue_quantize(x: Any, m: int, kb: int, qact: tuple[Any, Any, Any], stream: Any) -> None:
-    """Enqueue the activation kernel on `stream`, nothing checked: x is a CuPy array or a device pointer
-    (np.uint64) to float32 [M, KB·32]; `qact` the base pointers of block-major q, d_a and sum_a buffers of
-    that shape (`storage`)."""
-    _helper("quantize_activations")(
-        (-(-m * kb * BLOCK // QUANTIZE_THREADS),), (QUANTIZE_THREADS,),  # one warp per (row, block)
-        (x, np.int32(m), np.int32(kb), *qact), stream=stream)
 
 
 def new_workspace(nbytes: int, n: int, xp: Any = None) -> Any:
@@ -328,32 +476,45 @@ def check_launch(candidate: Candidate, weights: DeviceWeights, qact: QuantizedAc
         raise InputError("output and weights are on different devices")
 
 
+# The GEMV kernels' parameters (GEMV_PARAMS in kernels/cuda/gemv.cu) that change per call: the activations, the
+# output and the workspace (0 where the candidate takes none); the weight planes and the scalars are the plan's.
+GEMV_PER_CALL = ("qa", "da", "sa", "out", "ws")
+GEMV_SCALARS = ("M", "N", "KB", "width")
+
+
+@cache
+def gemv_slots(per_call: tuple[str, ...] = GEMV_PER_CALL) -> ArgSlots:
+    return ArgSlots.of(program.declared_params(program.source()), per_call)
+
+
 @dataclass(frozen=True)
 class Plan:
-    """One candidate's launch for one weights matrix and M, resolved once: kernel, geometry, weight pointers
-    and scalar arguments. `enqueue` adds the per-call pointers and launches, nothing checked (callers check
-    once, as `check_launch` does). `bind` and the runtime both launch through plans."""
+    """One candidate's launch for one weights matrix and M, resolved once: kernel, geometry, weight planes and
+    scalar arguments. `prepare` turns it into a PreparedLaunch (callers check once, as `check_launch` does).
+    `bind`, `gemv` and the runtime all launch through plans."""
 
     candidate: Candidate
     m: int
-    kernel: Any
+    kernel: Any  # a CuPy RawKernel
     grid: tuple[int, int, int]
     block: tuple[int, int, int]
     shared: int
     weights: tuple[Any, ...]  # DeviceWeights.plane_args: the planes in the kernels' order
-    scalars: tuple[Any, ...]  # int32 M, N, KB, partition width
+    scalars: tuple[int, ...]  # M, N, KB, partition width (GEMV_SCALARS)
     workspace_floats: int  # kpar's tickets and partials (Candidate.workspace_bytes / 4); 0 for the others
 
-    def enqueue(self, qact: tuple[Any, Any, Any], out: Any, workspace: Any, stream: Any) -> None:
-        """y = W·x on `stream`: `qact` = storage(activations), `out` float32 [M, N] (array or pointer),
-        `workspace` (kpar only, else None) from new_workspace for this N, of at least `workspace_floats`."""
-        self.kernel(self.grid, self.block, (*self.weights, *qact, *self.scalars, out, _pointer(workspace)),
-                    shared_mem=self.shared, stream=stream)
-
-
-def _pointer(buffer: Any) -> Any:
-    """A kernel argument for an optional buffer: the null pointer for None."""
-    return np.uint64(0) if buffer is None else buffer
+    def prepare(self, fixed: Mapping[str, int] | None = None, keep: Any = None,
+                launch_kernel: Callable[..., Any] | None = None) -> PreparedLaunch:
+        """The launch on the current device. Each `launch(stream, (qa, da, sa, out, ws))` then takes the
+        activations' base pointers (`storage`), the output's and the workspace's (0 for none); `fixed` may give some
+        of those once instead (a timing loop's, with `keep` the buffers they address, kept alive with the launch),
+        and each launch then takes only the others, in GEMV_PER_CALL order."""
+        fixed = dict(fixed or {})
+        values = {**dict(zip(program.planes(), map(address, self.weights), strict=True)),
+                  **dict(zip(GEMV_SCALARS, self.scalars, strict=True)), **fixed}
+        slots = gemv_slots(tuple(name for name in GEMV_PER_CALL if name not in fixed))
+        return PreparedLaunch(_function(self.kernel), self.grid, self.block, self.shared, slots, values,
+                              keep=(self.weights, keep), launch_kernel=launch_kernel)
 
 
 def plan(candidate: Candidate, weights: DeviceWeights, m: int) -> Plan:
@@ -365,20 +526,21 @@ def plan(candidate: Candidate, weights: DeviceWeights, m: int) -> Plan:
     grid, block = candidate.launch_geometry(m, n, k)
     return Plan(
         candidate=candidate, m=m,
-        kernel=_kernel(weights.codebook, candidate.kernel_name(weights.codebook, m)),
+        kernel=_kernel(require_cupy().cuda.runtime.getDevice(), weights.codebook,
+                       candidate.kernel_name(weights.codebook, m)),
         grid=grid, block=block, shared=candidate.shared_bytes(m, k, weights.codebook),
         weights=weights.plane_args(),
-        scalars=(np.int32(m), np.int32(n), np.int32(k // BLOCK), np.int32(candidate.partition_width(k))),
+        scalars=(m, n, k // BLOCK, candidate.partition_width(k)),
         workspace_floats=candidate.workspace_bytes(m, n, k) // 4,
     )
 
 
 def bind(candidate: Candidate, copies: Sequence[DeviceWeights], qact: QuantizedActivations, out: Any, stream: Any,
          workspace: Any = None) -> Callable[[int], None]:
-    """Check once and resolve everything a launch needs; `launch(i)` then enqueues y = W·x on `stream` with
-    W = copies[i] (copies of one matrix, e.g. rotated for cold L2) and nothing left to compute on the host:
-    eager timing measures the launch, not this setup. `out` float32 [M, N] receives y. No stream ordering is
-    added: the timing harness owns `stream`."""
+    """Check once and prepare everything a launch needs; `launch(i)` then enqueues y = W·x on `stream` with
+    W = copies[i] (copies of one matrix, e.g. rotated for cold L2) and nothing left to do on the host but
+    cuLaunchKernel: eager timing measures the launch, not this setup. `out` float32 [M, N] receives y. No stream
+    ordering is added: the timing harness owns `stream`."""
     check_stream(stream)
     if not copies:
         raise InputError("bind needs at least one weights copy")
@@ -386,14 +548,14 @@ def bind(candidate: Candidate, copies: Sequence[DeviceWeights], qact: QuantizedA
     check_launch(candidate, first, qact, out, workspace)
     if any((w.codebook, w.n, w.k) != (first.codebook, first.n, first.k) for w in copies):
         raise InputError("weights copies must share one codebook and shape")
-    plans = [plan(candidate, w, qact.m) for w in copies]
-    first_plan = plans[0]
-    kernel, grid, block, shared = first_plan.kernel, first_plan.grid, first_plan.block, first_plan.shared
-    tail = (*storage(qact), *first_plan.scalars, out, _pointer(workspace if candidate.grid_split else None))
-    args = [(*p.weights, *tail) for p in plans]
+    qa, da, sa = storage(qact)
+    fixed = {"qa": qa, "da": da, "sa": sa, "out": address(out),
+             "ws": address(workspace if candidate.grid_split else None)}
+    launches = [plan(candidate, w, qact.m).prepare(fixed, keep=(qact, out, workspace)) for w in copies]
+    handle = stream.ptr
 
     def launch(i: int) -> None:
-        kernel(grid, block, args[i], shared_mem=shared, stream=stream)
+        launches[i].launch(handle)
     return launch
 
 
@@ -401,8 +563,8 @@ def gemv(candidate: Candidate, weights: DeviceWeights, qact: QuantizedActivation
          workspace: Any = None) -> None:
     """Enqueue y = W·x for quantized activations under the module's stream contract (`stream`, or the
     caller's current stream); `out` float32 [M, N] receives y. No host synchronization."""
-    caller = caller_stream(stream)
+    caller = caller_stream(stream).ptr
     check_launch(candidate, weights, qact, out, workspace)
     on = launch_stream(caller)
-    plan(candidate, weights, qact.m).enqueue(storage(qact), out, workspace, on)
+    plan(candidate, weights, qact.m).prepare().launch(on, (*storage(qact), address(out), address(workspace)))
     rejoin(caller, on)

@@ -95,17 +95,19 @@ def activations(model, k: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("name", sorted(TENSORS))
-def test_dispatched_identity_on_the_emulator(model, name):
-    """CPU: what the runtime's dispatch (safe default without a table, or a split table) must compute for
+def test_dispatched_identity_on_the_emulator(model, name, monkeypatch):
+    """CPU: what the runtime's dispatch (safe default without any table, or a split table) must compute for
     the file's tensor: grouped rows equal serial M=1 rows, and the result is within the contract's error
     bound of the float64 product."""
     path, written, _ = model
     codebook, n, k = TENSORS[name]
     packed = runtime.read_gguf_tensor(path, name)
     x = activations(model, k)
-    without = runtime.Dispatcher(lambda gpu: (None, "no table (test)"))
+    monkeypatch.setattr(runtime.install, "installed_table", lambda gpu_name: None)
+    monkeypatch.setattr(runtime.install, "shipped_table", lambda gpu_name, sm_count: (None, []))
+    without = runtime.Dispatcher()
     with pytest.warns(RuntimeWarning, match="safe default"):
-        choice = without.choose("TestGPU", packed.execution, 1, n, k, "eager")
+        choice = without.choose(runtime.GpuModel("TestGPU", 100), packed.execution, 1, n, k, "eager")
     assert choice.candidate.valid(max(M_SET), n, k)
     for ksplit in (choice.candidate.ksplit, 4):  # the default, then a split identity
         y = emulate.gemv(packed, x, ksplit)

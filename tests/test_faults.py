@@ -335,7 +335,7 @@ def tables_made(tmp_path_factory):
 
 def installed_module(tables: Path) -> bytes | None:
     """The module the runtime would serve, or None where the installed table does not verify."""
-    install._load_version.cache_clear()
+    install._verified.cache_clear()
     try:
         loaded = install.installed_table(FAKE_GPU, tables)
     except InputError:
@@ -398,7 +398,7 @@ def test_a_tampered_installed_table_is_refused_by_the_runtime_and_check_and_repa
     version = tables / "fake-gpu-9000" / install.VERSIONS / done.version
     spoil, message = TAMPER[how]
     spoil(version)
-    install._load_version.cache_clear()
+    install._verified.cache_clear()
     with pytest.raises(InputError, match=message):
         install.installed_table(FAKE_GPU, tables)
     check = one_line(cli("check", "--installed", "fake-gpu-9000", "--tables", tables, "--device", "emulator"), 2)

@@ -213,7 +213,7 @@ def test_install_killed_at_any_point_leaves_a_working_table(tables_made, tmp_pat
         install.install(a, tables, gpu=lambda: None)
         killed = run(limit, tables)
         assert killed.returncode == -9, f"kill point {limit}: {killed.stderr}"
-        install._load_version.cache_clear()
+        install._verified.cache_clear()
         loaded = install.installed_table(FAKE_GPU, tables)
         assert loaded is not None, f"kill point {limit}: no table"
         assert loaded.table.files[bundle.MODULE] in (old, new), f"kill point {limit}"
@@ -253,7 +253,7 @@ def test_reinstalling_a_tampered_version_repairs_it_before_it_becomes_current(da
         (copy_of_a / bundle.MODULE).mkdir()
     with pytest.raises(InputError):  # the damage is real: the copy as it stands does not verify
         bundle.verify(copy_of_a)
-    install._load_version.cache_clear()
+    install._verified.cache_clear()
     result = cli("install", str(a), "--tables", str(tables))
     assert result.exit_code == 0, result.output
     assert "repaired the installed copy of this version" in result.output

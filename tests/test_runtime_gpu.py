@@ -7,6 +7,7 @@ see the poison. Seeds are printed (shown by pytest on failure); outputs are pois
 
 from __future__ import annotations
 
+import threading
 from typing import NamedTuple
 
 import numpy as np
@@ -89,11 +90,18 @@ TABLES = {"default": None, "kpar": FamilyTable("kpar"), "direct": FamilyTable("d
           "wide-mma": FamilyTable("wide", "mma"), "kpar-mma": FamilyTable("kpar", "mma")}
 
 
-@pytest.fixture(params=sorted(TABLES))
+@pytest.fixture(params=[*sorted(TABLES), "shipped"])
 def table(request, monkeypatch):
-    """Route the runtime's dispatch through one stand-in table (or none: the safe default)."""
-    fake = TABLES[request.param]
-    load = (lambda gpu: (None, "no table (test)")) if fake is None else (lambda gpu: (fake, None))
+    """Route the runtime's dispatch through one stand-in table, none (the safe default), or what serves a GPU with
+    no installed table (a shipped table)."""
+    fake = TABLES.get(request.param)
+
+    def load(gpu: runtime.GpuModel) -> runtime.Serving:
+        return runtime.Serving(fake, None if fake else "no table (test)")
+
+    if request.param == "shipped":
+        monkeypatch.setattr(runtime.install, "installed_table", lambda gpu_name: None)
+        load = runtime.serving_table
     monkeypatch.setattr(runtime._STATE, "dispatcher", runtime.Dispatcher(load))
     return request.param
 
@@ -123,6 +131,69 @@ def test_gemv_equals_emulator_and_serial_m1(cp, rng, table, codebook, n, k):
             assert_same_bits(cp.asnumpy(out), serial[:m], f"{table} {codebook} M={m} vs serial M=1")
         qx = runtime.quantize(xd)  # shared activations give the same bytes as quantizing inside gemv
         assert_same_bits(cp.asnumpy(runtime.gemv(w, qx)), want, f"{table} {codebook} M={m} via quantize()")
+
+
+def test_pooled_activations_are_never_shared_by_live_results(cp, rng):
+    """quantize reuses a buffer only once the Activations holding it is dropped: two live results keep their own
+    bytes, and a reused buffer holds the new x's."""
+    xs = [rng.standard_normal((4, 1024), dtype=np.float32) for _ in range(3)]
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        a = runtime.quantize(cp.asarray(xs[0]))
+        b = runtime.quantize(cp.asarray(xs[1]))
+        assert a.ptrs != b.ptrs
+        first = a.ptrs
+        del a
+        c = runtime.quantize(cp.asarray(xs[2]))
+        assert c.ptrs == first, "a dropped result's buffers were not reused"
+        stream.synchronize()
+    for qx, x in ((b, xs[1]), (c, xs[2])):
+        assert np.array_equal(cp.asnumpy(qx.buffers.q), emulate.quantize_activations(x).q)
+
+
+@pytest.mark.filterwarnings("ignore:gemv-dispatch")
+def test_reused_scratch_gives_each_call_its_own_bytes(cp, rng):
+    """gemv(w, x) quantizes into a pooled buffer it returns once its launches are enqueued: calls issued back to
+    back on one stream (no host wait between them) each see their own x."""
+    n, k, m = 1000, 2048, 3
+    packed = make_packed("Q8_0", n, k, rng)
+    w = runtime.prepare(packed)
+    xs = [rng.standard_normal((m, k), dtype=np.float32) for _ in range(4)]
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        spin(cp, stream)  # everything below is enqueued before any of it runs
+        ys = [runtime.gemv(w, cp.asarray(x)) for x in xs]
+    stream.synchronize()
+    for i, (x, y) in enumerate(zip(xs, ys, strict=True)):
+        assert_same_bits(cp.asnumpy(y), expected(packed, w, x), f"call {i}")
+
+
+@pytest.mark.filterwarnings("ignore:gemv-dispatch")
+def test_threads_launch_one_matrix_concurrently(cp, rng):
+    """Each thread patches its own copy of a prepared launch's arguments: threads sharing one matrix (and so one
+    prepared launch per M) on their own streams all get their own results."""
+    n, k, m = 512, 4096, 2
+    packed = make_packed("Q4_0", n, k, rng)
+    w = runtime.prepare(packed)
+    xs = [rng.standard_normal((m, k), dtype=np.float32) for _ in range(8)]
+    results: dict[int, np.ndarray] = {}
+
+    def work(i: int) -> None:
+        stream = cp.cuda.Stream(non_blocking=True)
+        with stream:
+            x = cp.asarray(xs[i])
+            for _ in range(50):
+                y = runtime.gemv(w, x)
+            results[i] = cp.asnumpy(y)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(xs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(results) == list(range(len(xs)))
+    for i, x in enumerate(xs):
+        assert_same_bits(results[i], expected(packed, w, x), f"thread {i}")
 
 
 def test_quantize_equals_emulator(cp, rng):

@@ -99,7 +99,7 @@ def time_cell(modules: dict[str, tuple[Any, int]], rings: dict[str, tuple[int, i
         copies = weight_copies(codebook, n, k, rng, l2, CONFIG.cold_l2)
         x = cp.random.default_rng(cell_seed(codebook, m, n, k)).standard_normal((m, k), dtype=cp.float32)
         qact = launch.quantize_activations(x, stream)
-    store = launch.storage(qact)
+    qa, da, sa = launch.storage(qact)
     candidates = [c for c in candidates_for(m, n, k) if c.family in families]
     need = max(c.workspace_bytes(m, n, k) for c in candidates)
     launches, results = {}, {}
@@ -115,7 +115,9 @@ def time_cell(modules: dict[str, tuple[Any, int]], rings: dict[str, tuple[int, i
             if module is not None:
                 name = spelled(c.kernel_name(codebook, m), arity)
                 plans = [replace(p, kernel=launch.opt_in(name, module.get_function(name))) for p in plans]
-            launches[f"{tag}:{c.id}"] = lambda i, plans=plans, out=out, ws=ws: plans[i].enqueue(store, out, ws, stream)
+            fixed = {"qa": qa, "da": da, "sa": sa, "out": launch.address(out), "ws": launch.address(ws)}
+            prepared = [p.prepare(fixed, keep=(qact, out, ws)) for p in plans]
+            launches[f"{tag}:{c.id}"] = lambda i, prepared=prepared: prepared[i].launch(stream.ptr)
             launches[f"{tag}:{c.id}"](0)
             results[(tag, c.id)] = (out, ws)
     stream.synchronize()

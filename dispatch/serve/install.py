@@ -15,8 +15,9 @@ that is there already compares its copy with the verified bytes first and rewrit
 (atomically): a copy damaged or edited since is repaired before it becomes current, never made current as is.
 
 `verify` is the one place a table folder is judged (install, check, and the runtime through
-`installed_table`): certificate present, canonical and self-consistent, passed; module and header bytes equal
-to what it binds; the module's own DIGESTS and GPU_NAME equal to the certificate's; made for these kernels.
+`installed_table` and `shipped_table`): certificate present, canonical and self-consistent, passed; module and
+header bytes equal to what it binds; the module's own DIGESTS and GPU_NAME equal to the certificate's; made for
+these kernels.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ from typing import Any
 from ...kernels.errors import InputError
 from ..common.files import fsync_dir, locked, write_atomic
 from ..common.gpu import current_gpu, gpu_slug
-from ..common.paths import tables_dir
-from ..table.bundle import FILES, Table, verify
+from ..common.paths import data_dir, tables_dir
+from ..table.bundle import CERTIFICATE, FILES, Table, verify
 
 CURRENT = "current"
 PREVIOUS = "previous"
@@ -58,14 +59,21 @@ class LoadedTable:
     def certificate(self) -> dict[str, Any]:
         return self.table.certificate
 
+    @property
+    def sm_count(self) -> int | None:
+        """The SMs of the GPU the table was tuned on (its module's SM_COUNT), None where the module lacks it."""
+        sms = getattr(self.table.module, "SM_COUNT", None)
+        return sms if isinstance(sms, int) else None
+
     def select(self, codebook: str, m: int, n: int, k: int, mode: str = "graph") -> Any:
         """Choice(candidate, identity, source) of the installed module; ValueError for invalid arguments."""
         return self.table.module.select(codebook, m, n, k, mode)
 
 
 @cache
-def _load_version(folder: str) -> Table:
-    # A version folder never changes once renamed into place, so it is verified once per process.
+def _verified(folder: str) -> Table:
+    # An installed version folder never changes once renamed into place, nor does the shipped data: each is
+    # verified once per process.
     return verify(Path(folder))
 
 
@@ -75,8 +83,39 @@ def installed_table(gpu_name: str, tables: Path | None = None) -> LoadedTable | 
     link = (tables or tables_dir()) / gpu_slug(gpu_name) / CURRENT
     if not link.is_symlink():
         return None
-    table = _load_version(str(link.resolve()))
+    table = _verified(str(link.resolve()))
     return LoadedTable(table, table.level == "gpu" and table.gpu_name == gpu_name)
+
+
+def shipped_table(gpu_name: str, sm_count: int, shipped: Path | None = None) -> tuple[LoadedTable | None, list[str]]:
+    """The committed table (`generated/<gpu-slug>/` of the shipped data, or `shipped`) that serves a GPU model
+    with no installed table, and why each other one was refused.
+
+    Only tables that `verify` accepts (as install does: certificate, digests, these kernels) with a GPU-level
+    certificate count. This model's own committed table comes first; else the one tuned on the GPU model whose
+    SM count (its module's SM_COUNT) is nearest to `sm_count`, ties to the folder name (deterministic). (None,
+    reasons) when none loads."""
+    folder = shipped or data_dir() / "generated"
+    refused, usable = [], []
+    for cert in sorted(folder.glob(f"*/{CERTIFICATE}")):
+        try:
+            table = LoadedTable(_verified(str(cert.parent)), False)
+        except InputError as err:
+            refused.append(str(err))
+            continue
+        if table.table.level != "gpu":
+            refused.append(f"{cert.parent}: certified on the emulator only")
+            continue
+        usable.append(table)
+
+    def rank(t: LoadedTable) -> tuple[bool, float, str]:
+        own = gpu_slug(t.table.gpu_name) == gpu_slug(gpu_name)
+        return not own, float("inf") if t.sm_count is None else abs(t.sm_count - sm_count), t.table.folder.name
+
+    best = min(usable, key=rank, default=None)
+    if best is None:
+        return None, refused
+    return LoadedTable(best.table, gpu_slug(best.table.gpu_name) == gpu_slug(gpu_name)), refused
 
 
 # ---------------------------------------------------------------------------------------------------------
