@@ -39,6 +39,7 @@ from ...kernels.errors import InputError
 from ...kernels.registry import BY_ID, CANDIDATES, Candidate, mma_row_tiles, row_tile
 from .. import __version__
 from ..common.digests import sha256
+from ..common.threads import bounded_threads
 from ..measure.corpus import MANIFEST, Corpus
 from .features import (
     IDENTITY_FEATURES,
@@ -183,10 +184,12 @@ class TimeModel:
             for cand, t in sorted(cell.items()):
                 rows.append(time_features(cb, BY_ID[cand], m, n, k, mode, meas.sm_count))
                 y.append(math.log(t))
-        self.model_ = HistGradientBoostingRegressor(
+        model = HistGradientBoostingRegressor(
             max_iter=self.max_iter, learning_rate=self.learning_rate, max_leaf_nodes=self.max_leaf_nodes,
             early_stopping=False, random_state=self.random_state,
-        ).fit(np.asarray(rows, dtype=np.float64), np.asarray(y))
+        )
+        with bounded_threads():  # OpenMP: a pool wider than the free cores collapses on a shared machine
+            self.model_ = model.fit(np.asarray(rows, dtype=np.float64), np.asarray(y))
         self.meas_ = meas
         self.sm_count_ = meas.sm_count
         return self
@@ -196,7 +199,8 @@ class TimeModel:
         if not keys:
             return np.zeros(0)
         x = [time_features(cb, BY_ID[c], m, n, k, mode, self.sm_count_) for cb, c, m, n, k, mode in keys]
-        return self.model_.predict(np.asarray(x, dtype=np.float64))
+        with bounded_threads():
+            return self.model_.predict(np.asarray(x, dtype=np.float64))
 
     def predict(self, keys: Sequence[tuple[str, str, int, int, int, str]]) -> np.ndarray:
         """Time in µs per key: the measurement where there is one; else the model, shifted by its residual at
