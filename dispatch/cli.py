@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -409,8 +410,10 @@ def train_command(corpus_folder: Path | None, output: Path, profile: str | None)
 @user_errors
 def evaluate_command(corpus_folder: Path | None, profile: str | None, folds: int, as_json: bool,
                      plot: Path | None) -> None:
-    """Regret against the per-cell oracle: the policy, its fallback under grouped CV and on the sealed
-    family hold-out, best single candidate, an MMVQ-style rule, and the price of invariance."""
+    """Regret against the per-cell oracle. Headline: leave-one-family-out over every model family of the shape
+    inventories (the fallback alone, the invariant oracle, the fallback's excess over it, with the targets'
+    PASS/FAIL). Then the policy with overlays, the fallback under grouped CV and on the sealed family hold-out,
+    best single candidate, an MMVQ-style rule, and the price of invariance. Progress goes to stderr."""
     from .learn import evaluate, train
     from .measure.corpus import load
 
@@ -419,8 +422,10 @@ def evaluate_command(corpus_folder: Path | None, profile: str | None, folds: int
 
         check_output(plot, "plot")
         evaluate.require_matplotlib()  # fail before minutes of fitting, not after
+    start = time.monotonic()
     report = evaluate.evaluate(load(_corpus_folder(corpus_folder)), train.TrainOptions(profile=_profile(profile)),
-                               folds=folds)
+                               folds=folds, progress=lambda line: click.echo(
+                                   f"evaluate: [{time.monotonic() - start:4.0f} s] {line}", err=True))
     if plot is not None:
         evaluate.plot_cdf(report, plot)
     if as_json:
