@@ -14,7 +14,15 @@ beyond the price of invariance), as `gemv-dispatch evaluate` scores the product'
   least mean profile log-regret over them, the launch of least mean log-regret at the same M among those
   neighbours that measured it (else the one of least predicted time, as gbm-physical);
 - `ensemble`: gbm-physical's and knn-regret's identity scores averaged (both as log-regret over the best
-  option), launch as gbm-physical.
+  option), launch as gbm-physical;
+- `gbm-identity+tree-launch`: gbm-physical's identity, the launch from the trees' launch tree (as select would
+  take it after an identity overlay), and `oracle-identity+tree-launch`: the invariant oracle's identity (with
+  hindsight) and the launch tree: what the launch half of the trees loses on its own;
+- `distilled`: what `select` could render within its budgets. An integer identity tree (the product's
+  `_fit_tree`, preference leaves) over the product's identity features with weight_kib made true (super-block
+  codebooks 8x smaller), fit to the profile regrets of the training geometries (as the product's) and to
+  gbm-physical's predicted ones over a grid of shapes (every codebook, N and K in octaves) beside them; the
+  launch from the trees' launch tree.
 
 The time model that fills unmeasured M (to score the identities of the training geometries) is the product's,
 fit on the whole corpus, as in `evaluate`'s folds; `--refit` refits it per fold too (slower), to price that
@@ -31,14 +39,14 @@ import math
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 from gemv_dispatch.dispatch.common.paths import shapes_dir
 from gemv_dispatch.dispatch.common.threads import bounded_threads
 from gemv_dispatch.dispatch.learn import evaluate as ev
-from gemv_dispatch.dispatch.learn.features import codebook_features, weight_bytes
+from gemv_dispatch.dispatch.learn.features import IDENTITY_FEATURES, codebook_features, identity_features, weight_bytes
 from gemv_dispatch.dispatch.learn.policy import IDENTITIES, SERVED_MS, canonical, validate_profile
 from gemv_dispatch.dispatch.learn.train import (
     FAMILIES,
@@ -46,6 +54,9 @@ from gemv_dispatch.dispatch.learn.train import (
     Measurements,
     TimeModel,
     TrainOptions,
+    TreeParams,
+    _fit_tree,
+    _regret_rows,
     fit_fallback,
     score,
     serving,
@@ -58,6 +69,10 @@ from gemv_dispatch.kernels.registry import BY_ID, mma_row_tiles, row_tile
 
 Geometry = tuple[str, int, int]
 KNN = 5
+# The distilled tree's extra shapes: N and K in octaves over the inventories' range (K whole super-blocks).
+DISTIL_N = tuple(1 << e for e in range(6, 19))
+DISTIL_K = tuple(1 << e for e in range(8, 17))
+DISTIL_TREE = TreeParams(min_samples_leaf=3, max_leaf_nodes=96)
 UNSEEN = 10.0  # log-regret of an identity no neighbour can run: ranked after every one some neighbour ran
 
 
@@ -175,6 +190,30 @@ def launches(meas_test: Measurements, identity: dict[Geometry, int],
     return Plan(identity, launch)
 
 
+def student_features(codebook: str, n: int, k: int, sm_count: int) -> dict[str, int]:
+    """The product's identity features with weight_kib counted in true bytes."""
+    return identity_features(codebook, n, k, sm_count) | {"weight_kib": weight_bytes(codebook, n, k) // 1024}
+
+
+def distilled_identities(train_expected: Mapping[Geometry, Mapping[int, float]], test: Sequence[Geometry],
+                         teacher: PhysicalModel, profile: Mapping[int, int], modes: Sequence[str],
+                         sm_count: int) -> dict[Geometry, int]:
+    """Fit the student identity tree (training geometries' profile times, the teacher's over the grid) and walk
+    it for the test geometries: the first available identity of the leaf, as select does."""
+    codebooks = sorted({cb for cb, _, _ in train_expected})
+    grid = [(cb, n, k) for cb in codebooks for n in DISTIL_N for k in DISTIL_K
+            if (cb, n, k) not in train_expected and k % get(formats_of(cb)[0]).weights == 0]
+    teacher_grid = Measurements({(cb, 1, n, k, modes[0]): {} for cb, n, k in grid}, 0.0, sm_count, {})
+    _, teacher_regrets = predicted_plan(teacher_grid, teacher.log_times, profile, modes)
+    rows = [(list(student_features(cb, n, k, sm_count).values()), dict(e), 1, 1.0)
+            for (cb, n, k), e in sorted(train_expected.items())]
+    rows += [(list(student_features(cb, n, k, sm_count).values()), {i: math.exp(r) for i, r in regrets.items()}, 1,
+              1.0) for (cb, n, k), regrets in sorted(teacher_regrets.items())]
+    tree = _fit_tree(_regret_rows(IDENTITIES, rows), IDENTITY_FEATURES, IDENTITIES, DISTIL_TREE, 0)
+    return {(cb, n, k): next((i for i in tree.leaf(student_features(cb, n, k, sm_count))
+                              if canonical(int(i), n, k) is not None), 1) for cb, n, k in test}
+
+
 def ratios_of(plan: Plan, meas_test: Measurements) -> dict[tuple[str, int, int, int, str], float]:
     return {key: cell[plan.launch[key]] / min(cell.values()) for key, cell in meas_test.times.items()}
 
@@ -198,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     families = ev.family_geometries(load_inventories(shapes_dir()), measured)
     if args.families:
         families = {f: families[f] for f in args.families.split(",")}
-    methods = ["trees", "time-model", "gbm-physical", "knn-regret", "ensemble"]
+    methods = ["trees", "time-model", "gbm-physical", "gbm-identity+tree-launch", "oracle-identity+tree-launch",
+               "distilled", "knn-regret", "ensemble"]
     methods += ["trees-refit"] if args.refit else []
     results: dict[str, dict[tuple[str, tuple], float]] = {name: {} for name in methods}
     for i, (family, held) in enumerate(families.items(), 1):
@@ -206,7 +246,9 @@ def main(argv: list[str] | None = None) -> int:
         train = meas.subset(lambda n, k, h=held: (n, k) not in h)
         test = meas.subset(lambda n, k, h=held: (n, k) in h)
         tag = {key: (family, key) for key in test.times}
-        results["trees"] |= {tag[key]: r for key, r in ev.fold_ratios(meas, rows, held, options).items()}
+        keep = {(n, k) for _, n, k in train.geometries()}
+        trees = fit_fallback(train, rows.subset(lambda n, k, kept=keep: (n, k) in kept), options)
+        results["trees"] |= {tag[key]: r for key, r in ev.policy_ratios(trees, test).items()}
         if args.refit:
             refit = fit_fallback(train, FallbackRows.build(train, score(train, TimeModel().fit(train), profile),
                                                            options.predicted_weight), options)
@@ -219,6 +261,12 @@ def main(argv: list[str] | None = None) -> int:
         train_expected = {g: e for g, e in scores.expected.items() if (g[1], g[2]) not in held}
         knn = knn_identity_regrets(train_expected, test.geometries())
         ensemble = {g: {i: (r + gbm_regrets[g][i]) / 2 for i, r in knn[g].items()} for g in knn}
+        oracle_ids = {g: scores.chosen[g] for g in test.geometries()}
+        for name, chosen in (("gbm-identity+tree-launch", plan.identity), ("oracle-identity+tree-launch", oracle_ids),
+                             ("distilled", distilled_identities(train_expected, test.geometries(), physical, profile,
+                                                                meas.modes, meas.sm_count))):
+            with_ids = replace(trees, identity_overlays=chosen)  # the launch tree under these identities
+            results[name] |= {tag[key]: r for key, r in ev.policy_ratios(with_ids, test).items()}
         for name, regrets in (("knn-regret", knn), ("ensemble", ensemble)):
             plan = launches(test, {g: min(r, key=lambda i, r=r: (r[i], i)) for g, r in regrets.items()},
                             physical.log_times)
@@ -234,10 +282,10 @@ def main(argv: list[str] | None = None) -> int:
     oracle = {fk: invariant[fk[1]] for fk in results["trees"] if fk[1] in invariant}
     out["invariant-oracle"] = ev.breakdown(oracle, key_of=lambda fk: fk[1], family_of=lambda fk: fk[0])
     args.output.write_text(json.dumps(out, indent=1, sort_keys=True) + "\n")
-    print(f"{'method':<14} {'total gm':>9} {'excess gm':>9} {'p95':>8} {'max':>8}")
+    print(f"{'method':<28} {'total gm':>9} {'excess gm':>9} {'p95':>8} {'max':>8}")
     for name, res in out["methods"].items():  # type: ignore[union-attr]
         t, e = res["total"]["all"], res["excess"]["all"]
-        print(f"{name:<14} {t['geomean']:>9.2f} {e['geomean']:>9.2f} {e['p95']:>8.2f} {e['max']:>8.2f}")
+        print(f"{name:<28} {t['geomean']:>9.2f} {e['geomean']:>9.2f} {e['p95']:>8.2f} {e['max']:>8.2f}")
     print(f"invariant oracle {out['invariant-oracle']['all']['geomean']:.2f} % geomean")  # type: ignore[index]
     return 0
 
