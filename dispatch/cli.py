@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -141,6 +142,50 @@ def shapes_from_gguf(model: Path, output: Path | None, as_json: bool) -> None:
         click.echo(f"{inv.name} ({inv.family}, {inv.source})")
         for s in inv.shapes:
             click.echo(f"{s.role:<14} n={s.n:<8} k={s.k:<8} {','.join(s.codebooks)}".rstrip())
+
+
+def _degrees(text: str) -> list[int]:
+    """--tp "2,4,8" -> [2, 4, 8]; InputError for anything but integers >= 2."""
+    items = [item.strip() for item in text.split(",")]
+    if not all(item.isdigit() and int(item) >= 2 for item in items):
+        raise InputError(f"--tp {text!r}: expected comma-separated tensor-parallel degrees >= 2, e.g. 2,4,8")
+    return sorted({int(item) for item in items})
+
+
+@shapes.command("tp")
+@click.argument("sources", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option("--tp", "degrees", required=True, help="Tensor-parallel degrees, e.g. 2,4,8.")
+@click.option("-o", "--output", type=click.Path(path_type=Path, file_okay=False),
+              help="Write each derived inventory to this folder as <model>-tp<degree>.json (for sweep --shapes).")
+@click.option("--json", "as_json", is_flag=True, help="Print the derived inventories as one JSON list.")
+@user_errors
+def shapes_tp(sources: tuple[Path, ...], degrees: str, output: Path | None, as_json: bool) -> None:
+    """Derive the shapes one rank runs under tensor parallelism, for every inventory and degree.
+
+    Column-parallel projections (q, k, v, qkv, gate, up, gate_up, lm_head, MoE gate/up) split N, row-parallel
+    ones (o, down, MoE down) split K, as vLLM, TensorRT-LLM and llama.cpp shard them; attention splits by whole
+    heads (KV heads replicated when there are fewer than ranks), lm_head after padding the vocabulary to 64.
+    A split that does not exist (heads or N not divisible, K/tp not a whole number of blocks) is refused,
+    naming it, and nothing is written. SOURCES are inventory files, folders of them, or names of shipped
+    inventories (shapes list), e.g. `shapes tp llama-3.1-70b --tp 2,4,8 -o tp/` then `sweep --shapes tp/`."""
+    from .measure.shapes import default_inventory_dir, load_inventories, tensor_parallel, write_inventory
+
+    tps = _degrees(degrees)
+    shipped = {inv.name: inv for inv in load_inventories(default_inventory_dir())}
+    inventories = [inv for src in sources for inv in
+                   ([shipped[str(src)]] if not src.exists() and str(src) in shipped else load_inventories(src))]
+    derived = [tensor_parallel(inv, tp) for inv in inventories for tp in tps]  # every split checked before a write
+    if output is not None:
+        for inv in derived:
+            write_inventory(inv, output / f"{inv.name}.json")
+        click.echo(f"wrote {len(derived)} inventories to {output}", err=as_json)
+    if as_json:
+        click.echo(json.dumps([inv.to_dict() for inv in derived], indent=1, sort_keys=True))
+    elif output is None:
+        click.echo(f"{'model':<24} {'role':<14} {'n':>8} {'k':>8}")
+        for inv in derived:
+            for s in inv.shapes:
+                click.echo(f"{inv.name:<24} {s.role:<14} {s.n:>8} {s.k:>8} {','.join(s.codebooks)}".rstrip())
 
 
 def _default_plan() -> str:
@@ -365,8 +410,10 @@ def train_command(corpus_folder: Path | None, output: Path, profile: str | None)
 @user_errors
 def evaluate_command(corpus_folder: Path | None, profile: str | None, folds: int, as_json: bool,
                      plot: Path | None) -> None:
-    """Regret against the per-cell oracle: the policy, its fallback under grouped CV and on the sealed
-    family hold-out, best single candidate, an MMVQ-style rule, and the price of invariance."""
+    """Regret against the per-cell oracle. Headline: leave-one-family-out over every model family of the shape
+    inventories (the fallback alone, the invariant oracle, the fallback's excess over it, with the targets'
+    PASS/FAIL). Then the policy with overlays, the fallback under grouped CV and on the sealed family hold-out,
+    best single candidate, an MMVQ-style rule, and the price of invariance. Progress goes to stderr."""
     from .learn import evaluate, train
     from .measure.corpus import load
 
@@ -375,8 +422,10 @@ def evaluate_command(corpus_folder: Path | None, profile: str | None, folds: int
 
         check_output(plot, "plot")
         evaluate.require_matplotlib()  # fail before minutes of fitting, not after
+    start = time.monotonic()
     report = evaluate.evaluate(load(_corpus_folder(corpus_folder)), train.TrainOptions(profile=_profile(profile)),
-                               folds=folds)
+                               folds=folds, progress=lambda line: click.echo(
+                                   f"evaluate: [{time.monotonic() - start:4.0f} s] {line}", err=True))
     if plot is not None:
         evaluate.plot_cdf(report, plot)
     if as_json:

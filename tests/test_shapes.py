@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -13,12 +14,15 @@ from gemv_dispatch.dispatch.measure.shapes import (
     GRID_MAX_ELEMENTS,
     ROLES,
     Inventory,
+    Shape,
     default_inventory_dir,
     from_config,
     from_gguf,
+    inventory_from_dict,
     load_inventories,
     load_inventory,
     synthetic_grid,
+    tensor_parallel,
     write_inventory,
     write_synthetic_grid,
 )
@@ -353,7 +357,7 @@ def test_cli_from_gguf_bad_input_is_one_line_error(tmp_path):
     assert "Traceback" not in result.output
 
 
-@pytest.mark.parametrize("command", [[], ["list"], ["from-gguf"]])
+@pytest.mark.parametrize("command", [[], ["list"], ["from-gguf"], ["tp"]])
 def test_cli_help(command):
     result = run(*command, "--help")
     assert result.exit_code == 0 and "Usage:" in result.stdout
@@ -487,3 +491,89 @@ def test_cli_from_gguf_prints_codebooks(tmp_path):
     assert result.exit_code == 0, result.output
     rows = [line.split() for line in result.stdout.splitlines()]
     assert ["v", f"n={T_KV}", f"k={T_HIDDEN}", "Q4_K,Q6_K"] in rows
+
+
+# --- tensor-parallel inventories -----------------------------------------------------------------
+
+def small_model(heads: int = 8, kv: int = 2, extra: tuple[tuple[str, int, tuple[str, ...]], ...] = ()) -> Inventory:
+    """from_config's ten roles, plus `extra` shapes (role, k, codebooks) named like from_gguf's per-geometry
+    roles (`down:1024x512`)."""
+    config = {"hidden_size": 1024, "intermediate_size": 2048, "num_attention_heads": heads,
+              "num_key_value_heads": kv, "head_dim": 64, "vocab_size": 1000}
+    inv = from_config("small", "small-family", "test", config)
+    more = tuple(Shape(int(role.split(":")[1].split("x")[0]), k, role, "small", "small-family", books)
+                 for role, k, books in extra)
+    return Inventory(inv.name, inv.family, inv.source, inv.shapes + more, inv.config)
+
+
+def test_tensor_parallel_splits_columns_by_n_and_rows_by_k(shipped):
+    llama = shipped["llama-3.1-8b"]
+    for tp in (2, 4, 8):
+        split = {s.role: (s.n, s.k) for s in tensor_parallel(llama, tp).shapes}
+        whole = {s.role: (s.n, s.k) for s in llama.shapes}
+        for role in ("q", "k", "v", "qkv", "gate", "up", "gate_up"):
+            assert split[role] == (whole[role][0] // tp, whole[role][1]), (tp, role)
+        for role in ("o", "down"):
+            assert split[role] == (whole[role][0], whole[role][1] // tp), (tp, role)
+        assert split["lm_head"] == (128256 // tp, 4096)  # 128256 is already a multiple of 64
+    derived = tensor_parallel(llama, 4)
+    assert (derived.name, derived.family) == ("llama-3.1-8b-tp4", "llama-3.1")  # a family leaves out its shards
+    assert dict(derived.config)["tensor_parallel"] == 4
+    assert inventory_from_dict(derived.to_dict(), "derived") == derived  # a valid inventory file for sweep
+
+
+def test_tensor_parallel_replicates_kv_heads_and_pads_the_vocabulary():
+    split = {s.role: (s.n, s.k) for s in tensor_parallel(small_model(heads=8, kv=2), 4).shapes}
+    assert split["q"] == (2 * 64, 1024) and split["k"] == split["v"] == (64, 1024)  # one KV head per rank
+    assert split["qkv"] == ((2 + 2) * 64, 1024) and split["o"] == (1024, 2 * 64)
+    assert split["lm_head"] == (1024 // 4, 1024)  # 1000 padded to 1024, then split
+    assert split["gate_up"] == (2 * 2048 // 4, 1024)
+
+
+@pytest.mark.parametrize(("inv", "tp", "message"), [
+    (small_model(heads=8, kv=2), 3, "small tp=3 role q: 8 attention heads do not split 3 ways"),
+    (small_model(heads=12, kv=3), 4, "small tp=4 role q: 3 KV heads neither split 4 ways"),
+    (small_model(extra=(("down:1024x512", 512, ("Q4_K",)),)), 4,
+     "small tp=4 role down:1024x512: K=512/4=128 is not a multiple of 256 (the Q4_K block)"),
+    (small_model(extra=(("down:1024x96", 96, ()),)), 2,
+     "small tp=2 role down:1024x96: K=96/2=48 is not a multiple of 32"),
+    (small_model(extra=(("gate:2x1024", 1024, ()),)), 4,
+     "small tp=4 role gate:2x1024: N=2 leaves less than one output"),
+    (synthetic_grid(), 2, "synthetic-grid tp=2 role grid_"),
+    (small_model(), 1, "tensor-parallel degree 1: must be 2 or more"),
+])
+def test_tensor_parallel_refuses_splits_that_do_not_exist(inv, tp, message):
+    with pytest.raises(InputError, match=re.escape(message)):
+        tensor_parallel(inv, tp)
+
+
+def test_tensor_parallel_keeps_super_block_k_whole_for_typed_shapes():
+    typed = small_model(extra=(("down:1024x1024", 1024, ("Q4_K",)),))
+    assert [(s.role, s.k) for s in tensor_parallel(typed, 4).shapes][-1] == ("down:1024x256", 256)
+    with pytest.raises(InputError, match=r"K=1024/8=128 is not a multiple of 256 \(the Q4_K block\)"):
+        tensor_parallel(typed, 8)
+    untyped = small_model(extra=(("down:1024x1024", 1024, ()),))
+    assert tensor_parallel(untyped, 8).shapes[-1].k == 128  # untyped: a sweep skips super-block codebooks there
+
+
+def test_cli_tp_writes_json_files_and_refuses_in_one_line(tmp_path):
+    out = tmp_path / "tp"
+    written = run("tp", "llama-3.1-8b", "qwen3-8b", "--tp", "2,4", "-o", str(out), "--json")
+    assert written.exit_code == 0, written.output
+    names = sorted(p.stem for p in out.glob("*.json"))
+    assert names == ["llama-3.1-8b-tp2", "llama-3.1-8b-tp4", "qwen3-8b-tp2", "qwen3-8b-tp4"]
+    assert [inv["name"] for inv in json.loads(written.stdout)] == [
+        "llama-3.1-8b-tp2", "llama-3.1-8b-tp4", "qwen3-8b-tp2", "qwen3-8b-tp4"]
+    llama = load_inventory(default_inventory_dir() / "llama-3.1-8b.json")
+    assert load_inventories(out)[0] == tensor_parallel(llama, 2)
+    table = run("tp", str(default_inventory_dir() / "llama-3.1-8b.json"), "--tp", "8")
+    assert table.exit_code == 0 and ["llama-3.1-8b-tp8", "o", "4096", "512"] in [
+        line.split() for line in table.stdout.splitlines()]
+    refused = tmp_path / "refused"
+    for args, message in ((("falcon3-10b", "--tp", "2,8"), "falcon3-10b tp=8 role q: 12 attention heads"),
+                          (("llama-3.1-8b", "--tp", "2,x"), "--tp '2,x': expected"),
+                          (("no-such-model", "--tp", "2"), "no-such-model: no such inventory file")):
+        result = run("tp", *args, "-o", str(refused))
+        assert result.exit_code == 2, result.output
+        assert result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
+        assert not refused.exists()  # every split is checked before anything is written

@@ -23,6 +23,7 @@ from gemv_dispatch.dispatch.learn.train import (
     train,
 )
 from gemv_dispatch.dispatch.measure.corpus import load
+from gemv_dispatch.dispatch.measure.shapes import GRID_NAME, Inventory, Shape
 from gemv_dispatch.kernels.errors import InputError
 from gemv_dispatch.kernels.registry import BY_ID
 
@@ -198,3 +199,58 @@ def test_a_leaf_ranks_an_identity_it_never_saw_by_its_nearest_ancestor():
     leaf, ancestor = np.array([0, 1]), np.array([0, 1, 2, 3])
     assert _preference(rows, leaf, options, [ancestor]) == ("b32", "a16.fast", "a16.slow")
     assert _preference(rows, leaf, options) == ("b32", "a16.slow", "a16.fast")
+
+
+LOFO_GEOMETRIES = ((256, 512), (1024, 4096), (512, 1024), (2048, 1024), (768, 2048), (4096, 512))
+
+
+def inventory(name: str, family: str, geometries) -> Inventory:
+    shapes = tuple(Shape(n, k, f"g{i}", name, family) for i, (n, k) in enumerate(geometries))
+    return Inventory(name, family, "test", shapes)
+
+
+def test_leave_one_family_out_leaves_each_family_out_and_measures_the_excess(tmp_path, monkeypatch):
+    """Every model family in turn: its geometries (also one another family shares) are out of the fold's training
+    and scored; the synthetic grid is no family. The excess is the fallback's time over the invariant oracle's
+    on the same cells, so its geomean is the ratio of theirs."""
+    corpus = load(build_corpus(tmp_path, geometries=LOFO_GEOMETRIES))
+    inventories = [inventory("a-1", "fam-a", [(256, 512), (1024, 4096)]),
+                   inventory("b-1", "fam-b", [(512, 1024), (2048, 1024), (1024, 4096)]),
+                   inventory("phi-3-x", "phi-3", [(768, 2048)]), inventory("c-1", "fam-c", [(4096, 512)]),
+                   inventory(GRID_NAME, "synthetic", [(512, 1024), (256, 512)])]
+    trained_on: list[set[tuple[int, int]]] = []
+    real = ev.fit_fallback
+
+    def spy(meas, rows, options=None):
+        trained_on.append({(n, k) for _, n, k in meas.geometries()})
+        assert {tuple(nk) for nk in rows.launch_nk} == trained_on[-1]  # rows of exactly those geometries
+        return real(meas, rows, options)
+
+    monkeypatch.setattr(ev, "fit_fallback", spy)
+    lines: list[str] = []
+    data = ev.evaluate(corpus, inventories=inventories, folds=2, progress=lines.append).data
+    lofo = data["lofo"]
+    assert lofo["families"] == {"fam-a": 2, "fam-b": 3, "fam-c": 1, "phi-3": 1}
+    cells_per_geometry = 2 * 2 * 2  # codebooks x M x modes
+    assert lofo["cells"] == (2 + 3 + 1 + 1) * cells_per_geometry  # (1024, 4096) counted in fam-a and fam-b
+    assert set(lofo["fallback"]["family"]) == set(lofo["families"])
+    folds = trained_on[1:1 + len(lofo["families"])]  # after the whole corpus's fallback
+    held = [{(256, 512), (1024, 4096)}, {(512, 1024), (2048, 1024), (1024, 4096)}, {(4096, 512)}, {(768, 2048)}]
+    assert [set(LOFO_GEOMETRIES) - f for f in folds] == held
+    fb, oracle, excess = (lofo[name]["all"]["geomean"] for name in ("fallback", "invariant-oracle", "excess"))
+    assert (1 + excess / 100) == pytest.approx((1 + fb / 100) / (1 + oracle / 100), rel=1e-12)
+    assert oracle <= fb + 1e-9 or excess < 0  # the fallback may beat the profile's identity only cell by cell
+    assert {"<1 MiB"} <= set(lofo["excess"]["size"]) and set(lofo["excess"]["m"]) == {"1", "4"}
+    assert [(t["figure"], t["statistic"], t["at_most"]) for t in lofo["targets"]] == [
+        ("excess", "geomean", 1.0), ("excess", "p95", 8.0), ("fallback", "geomean", 5.0)]
+    assert all(t["passed"] == (t["value"] <= t["at_most"]) for t in lofo["targets"])
+    text = ev.render(data)
+    assert text.count("target: ") == 3 and ("PASS" in text or "FAIL" in text)
+    assert any("leave-one-family-out 4/4: phi-3" in line for line in lines)
+
+
+def test_size_buckets_count_true_weight_bytes():
+    """A super-block codebook's bytes are per 256 weights: Q4_K 4096x4096 is 9 MiB (4.5 bits a weight), not 72."""
+    assert ev.size_bucket("q4_k", 4096, 4096) == "4-16 MiB"
+    assert ev.size_bucket("q8_0", 4096, 4096) == "16-64 MiB"  # 8.5 bits a weight: 17 MiB
+    assert ev.size_bucket("q4_0", 128, 1024) == "<1 MiB" and ev.size_bucket("q8_0", 152064, 8192) == ">=256 MiB"

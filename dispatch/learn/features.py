@@ -44,11 +44,22 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def weight_bytes(codebook: str, n: int, k: int) -> int:
+    """Bytes of the N×K weights in `codebook` (an execution key): a GGUF block holds `weights` weights (256 for
+    a super-block format) in `block_bytes` bytes. k a multiple of the block's weights."""
+    book = get(formats_of(codebook)[0])
+    return n * (k // book.weights) * book.block_bytes
+
+
 def identity_features(codebook: str, n: int, k: int, sm_count: int) -> dict[str, int]:
     """Features of a (codebook, N, K) for the identity tree; keys in IDENTITY_FEATURES order.
 
     n >= 1, k a positive multiple of 32, sm_count >= 1 (the GPU's SMs, from the corpus provenance).
-    weight_kib: KiB of weight blocks read; waves_x64: CTAs of the canonical wide launch per SM, x64."""
+    weight_kib: KiB of weight blocks read, counted as if every block held 32 weights, so it is 8× the true
+    size for a super-block format (block_bytes is per 256 weights: weight_bytes is the true size). It stays
+    so: the committed policy's trees split on this value, and a corrected feature moves their thresholds,
+    which changes the table's decisions and needs a GPU to re-certify. waves_x64: CTAs of the canonical wide
+    launch per SM, x64."""
     kb = k // BLOCK
     feats = codebook_features(codebook)
     feats.update(

@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cache, cached_property
 from pathlib import Path
 from typing import Any
@@ -39,6 +39,7 @@ from ...kernels.errors import InputError
 from ...kernels.registry import BY_ID, CANDIDATES, Candidate, mma_row_tiles, row_tile
 from .. import __version__
 from ..common.digests import sha256
+from ..common.threads import bounded_threads
 from ..measure.corpus import MANIFEST, Corpus
 from .features import (
     IDENTITY_FEATURES,
@@ -183,10 +184,12 @@ class TimeModel:
             for cand, t in sorted(cell.items()):
                 rows.append(time_features(cb, BY_ID[cand], m, n, k, mode, meas.sm_count))
                 y.append(math.log(t))
-        self.model_ = HistGradientBoostingRegressor(
+        model = HistGradientBoostingRegressor(
             max_iter=self.max_iter, learning_rate=self.learning_rate, max_leaf_nodes=self.max_leaf_nodes,
             early_stopping=False, random_state=self.random_state,
-        ).fit(np.asarray(rows, dtype=np.float64), np.asarray(y))
+        )
+        with bounded_threads():  # OpenMP: a pool wider than the free cores collapses on a shared machine
+            self.model_ = model.fit(np.asarray(rows, dtype=np.float64), np.asarray(y))
         self.meas_ = meas
         self.sm_count_ = meas.sm_count
         return self
@@ -196,7 +199,8 @@ class TimeModel:
         if not keys:
             return np.zeros(0)
         x = [time_features(cb, BY_ID[c], m, n, k, mode, self.sm_count_) for cb, c, m, n, k, mode in keys]
-        return self.model_.predict(np.asarray(x, dtype=np.float64))
+        with bounded_threads():
+            return self.model_.predict(np.asarray(x, dtype=np.float64))
 
     def predict(self, keys: Sequence[tuple[str, str, int, int, int, str]]) -> np.ndarray:
         """Time in µs per key: the measurement where there is one; else the model, shifted by its residual at
@@ -364,12 +368,17 @@ def _preference(rows: _Rows, idx: np.ndarray, options: Sequence[Any],
         current = np.where(open_ & usable[:, j], y[:, j], current)
         open_ &= ~usable[:, j]
     mean = np.average(y, axis=0, weights=w)
+    in_leaf = usable.any(axis=0)
+    runs_at: list[np.ndarray] = []  # per ancestor level reached so far: the options some of its rows can run
 
     def rank(j: int) -> tuple[int, float]:
-        if usable[:, j].any():
+        if in_leaf[j]:
             return 0, float(mean[j])
         for level, up in enumerate(ancestors, 1):
-            if (can := rows.usable[up, j]).any():
+            if len(runs_at) < level:  # one pass over an ancestor's rows serves every option
+                runs_at.append(rows.usable[up].any(axis=0))
+            if runs_at[level - 1][j]:
+                can = rows.usable[up, j]
                 return level, float(np.average(rows.y[up[can], j], weights=rows.weight[up[can]]))
         return len(ancestors) + 1, 0.0
 
@@ -413,16 +422,18 @@ def _fit_tree(rows: _Rows, names: tuple[str, ...], options: Sequence[Any], param
     return Tree(names, tuple(nodes), tuple(leaves))
 
 
-def _identity_rows(meas: Measurements, scores: Scores) -> _Rows:
+def _identity_rows(meas: Measurements, scores: Scores) -> tuple[_Rows, list[tuple[int, int]]]:
+    """The identity tree's rows, one per geometry, and each row's (N, K)."""
+    geos = meas.geometries()
     return _regret_rows(IDENTITIES, (
         (list(identity_features(cb, n, k, meas.sm_count).values()), scores.expected[(cb, n, k)], 1, 1.0)
-        for cb, n, k in meas.geometries()))
+        for cb, n, k in geos)), [(n, k) for _, n, k in geos]
 
 
-def _launch_rows(meas: Measurements, scores: Scores, weight: float) -> _Rows:
+def _launch_rows(meas: Measurements, scores: Scores, weight: float) -> tuple[_Rows, list[tuple[int, int]]]:
     """One row per (cell, identity that some candidate of the cell serves): the tree must pick launches for
-    whatever identity the identity step hands it, not only the chosen ones."""
-    rows = []
+    whatever identity the identity step hands it, not only the chosen ones. And each row's (N, K)."""
+    rows, nk = [], []
     for key in sorted(scores.cells):
         cb, m, n, k, mode = key
         cell = scores.cells[key]
@@ -433,27 +444,67 @@ def _launch_rows(meas: Measurements, scores: Scores, weight: float) -> _Rows:
             if times and canon is not None:
                 rows.append((list(_launch_tuple(cb, ident, m, n, k, mode, meas.sm_count)), times,
                              canon.id, w))
-    return _regret_rows(CANDIDATE_IDS, rows)
+                nk.append((n, k))
+    return _regret_rows(CANDIDATE_IDS, rows), nk
+
+
+@dataclass(frozen=True)
+class FallbackRows:
+    """The training rows of both trees with the (N, K) of each row. A row depends only on its own geometry's
+    scores, so the rows of a subset of geometries are a subset of the rows (in the same order): evaluation
+    folds take them from one set instead of rebuilding them."""
+
+    identity: _Rows
+    identity_nk: np.ndarray  # int64 [rows, 2]
+    launch: _Rows
+    launch_nk: np.ndarray
+
+    @classmethod
+    def build(cls, meas: Measurements, scores: Scores, predicted_weight: float) -> FallbackRows:
+        (ident, ident_nk), (launch, launch_nk) = _identity_rows(meas, scores), _launch_rows(meas, scores,
+                                                                                              predicted_weight)
+        return cls(ident, np.asarray(ident_nk, dtype=np.int64).reshape(-1, 2), launch,
+                   np.asarray(launch_nk, dtype=np.int64).reshape(-1, 2))
+
+    def subset(self, keep: Callable[[int, int], bool]) -> FallbackRows:
+        """The rows of the (N, K) geometries `keep(n, k)` accepts."""
+        def take(rows: _Rows, nk: np.ndarray) -> tuple[_Rows, np.ndarray]:
+            mask = np.fromiter((keep(int(n), int(k)) for n, k in nk), dtype=bool, count=len(nk))
+            kept = _Rows(rows.x[mask], rows.y[mask], rows.weight[mask], rows.usable[mask], rows.fallback[mask])
+            return kept, nk[mask]
+
+        return FallbackRows(*take(self.identity, self.identity_nk), *take(self.launch, self.launch_nk))
 
 
 # ---------------------------------------------------------------------------------------------------------
 # 5. The policy
 
 
-def fit_policy(meas: Measurements, options: TrainOptions | None = None, model: TimeModel | None = None) -> Policy:
-    """Learn a policy from `meas` (a whole corpus, or a training subset for evaluation)."""
+def fit_fallback(meas: Measurements, rows: FallbackRows, options: TrainOptions | None = None) -> Policy:
+    """The policy of `meas` without overlays: its two trees fit to `rows` (FallbackRows.build of `meas`, or the
+    subset of a larger set's for the geometries of `meas`)."""
     options = options or TrainOptions()
     profile = validate_profile(options.profile)
-    model = model or TimeModel(random_state=options.random_state).fit(meas)
-    scores = score(meas, model, profile)
-    identity_tree = _fit_tree(_identity_rows(meas, scores), IDENTITY_FEATURES, IDENTITIES, options.identity_tree,
+    identity_tree = _fit_tree(rows.identity, IDENTITY_FEATURES, IDENTITIES, options.identity_tree,
                               options.random_state)
-    launch_tree = _fit_tree(_launch_rows(meas, scores, options.predicted_weight), LAUNCH_FEATURES, CANDIDATE_IDS,
-                            options.launch_tree, options.random_state)
+    launch_tree = _fit_tree(rows.launch, LAUNCH_FEATURES, CANDIDATE_IDS, options.launch_tree, options.random_state)
     source = dict(meas.source) | {"sklearn_version": _sklearn_version()}
     opts = options.to_dict() | {"profile": {str(m): w for m, w in profile.items()}, "noise_rel": meas.noise_rel,
                                 "modes": list(meas.modes)}
-    bare = Policy(source, opts, meas.codebooks, identity_tree, launch_tree, {}, {}, tuple(meas.geometries()))
+    return Policy(source, opts, meas.codebooks, identity_tree, launch_tree, {}, {}, tuple(meas.geometries()))
+
+
+def fit_policy(meas: Measurements, options: TrainOptions | None = None, model: TimeModel | None = None) -> Policy:
+    """Learn a policy from `meas` (a whole corpus, or a training subset for evaluation)."""
+    options = options or TrainOptions()
+    model = model or TimeModel(random_state=options.random_state).fit(meas)
+    scores = score(meas, model, validate_profile(options.profile))
+    return with_overlays(meas, scores, fit_fallback(meas, FallbackRows.build(meas, scores, options.predicted_weight),
+                                                    options))
+
+
+def with_overlays(meas: Measurements, scores: Scores, bare: Policy) -> Policy:
+    """`bare` (fit_fallback's) with the overlays that make it exact on the measured cells of `meas`."""
     identity_overlays: dict[IdentityKey, int] = {}
     by_geometry: dict[Geometry, list[LaunchKey]] = {}
     for key in meas.times:
@@ -463,8 +514,7 @@ def fit_policy(meas: Measurements, options: TrainOptions | None = None, model: T
         if got != want and _slower(got, want, [(key[1:], meas.times[key]) for key in by_geometry[geo]],
                                    scores.expected[geo], meas.noise_rel):
             identity_overlays[geo] = want
-    with_ids = Policy(source, opts, meas.codebooks, identity_tree, launch_tree, identity_overlays, {},
-                      bare.shapes)
+    with_ids = replace(bare, identity_overlays=identity_overlays)
     launch_overlays: dict[LaunchKey, str] = {}
     for key, cell in sorted(meas.times.items()):
         cb, m, n, k, mode = key
@@ -473,8 +523,7 @@ def fit_policy(meas: Measurements, options: TrainOptions | None = None, model: T
         got = with_ids.select(cb, m, n, k, mode).candidate
         if want is not None and (got not in cell or cell[got] > cell[want] * (1.0 + meas.noise_rel)):
             launch_overlays[key] = want
-    return Policy(source, opts, meas.codebooks, identity_tree, launch_tree, identity_overlays, launch_overlays,
-                  bare.shapes)
+    return replace(with_ids, launch_overlays=launch_overlays)
 
 
 def _slower(got: int, want: int, cells: list[tuple[tuple[int, int, int, str], Mapping[str, float]]],

@@ -395,3 +395,80 @@ def from_gguf(path: StrPath) -> Inventory:
         for (n, k), types in geoms.items()
     )
     return Inventory(name, family, f"gguf:{path.name}", shapes)
+
+
+# Tensor parallelism, as vLLM (ColumnParallelLinear / RowParallelLinear), TensorRT-LLM and llama.cpp's row split
+# shard a block: a column-parallel projection keeps K and gives each rank N/tp outputs; a row-parallel one keeps N
+# and gives each rank K/tp inputs (its partial sums are all-reduced afterwards). The merged projections (qkv,
+# gate_up) split each of their parts, so every rank holds whole heads and matching gate/up halves.
+COLUMN_PARALLEL = frozenset({"q", "k", "v", "qkv", "gate", "up", "gate_up", "lm_head", "expert_gate", "expert_up"})
+ROW_PARALLEL = frozenset({"o", "down", "expert_down"})
+VOCAB_PADDING = 64  # vLLM pads the vocabulary to a multiple of this before it splits lm_head
+
+
+def _heads(inv: Inventory) -> tuple[int, int, int] | None:
+    """(attention heads, KV heads, head dim) from the inventory's config, None when it does not say."""
+    config = dict(inv.config)
+    if not all(key in config for key in ("num_attention_heads", "num_key_value_heads", "head_dim")):
+        return None
+    return config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
+
+
+def _split(n: int, tp: int, what: str) -> int:
+    if n < tp:
+        raise InputError(f"{what}: N={n} leaves less than one output per rank at tp={tp}")
+    if n % tp:
+        raise InputError(f"{what}: N={n} does not split {tp} ways")
+    return n // tp
+
+
+def _column_n(inv: Inventory, shape: Shape, base: str, tp: int, what: str) -> int:
+    """Outputs per rank of a column-parallel projection. Attention projections split by whole heads; with
+    fewer KV heads than ranks each rank holds one KV head (replicated, as vLLM does), which needs tp to be a
+    multiple of the KV heads."""
+    heads = _heads(inv)
+    if base in ("q", "k", "v", "qkv") and heads is not None:
+        q, kv, dim = heads
+        if shape.n == {"q": q, "k": kv, "v": kv, "qkv": q + 2 * kv}[base] * dim:
+            if q % tp:
+                raise InputError(f"{what}: {q} attention heads do not split {tp} ways")
+            if kv % tp and tp % kv:
+                raise InputError(f"{what}: {kv} KV heads neither split {tp} ways nor replicate evenly over them")
+            kv_rank = max(1, kv // tp)
+            return {"q": q // tp, "k": kv_rank, "v": kv_rank, "qkv": q // tp + 2 * kv_rank}[base] * dim
+    if base == "lm_head":
+        return _split(-(-shape.n // VOCAB_PADDING) * VOCAB_PADDING, tp, what)
+    if base == "gate_up":
+        if shape.n % 2:
+            raise InputError(f"{what}: N={shape.n} is not two equal gate and up halves")
+        return 2 * _split(shape.n // 2, tp, what)
+    return _split(shape.n, tp, what)
+
+
+def tensor_parallel(inv: Inventory, tp: int) -> Inventory:
+    """The shapes one rank of a `tp`-way tensor-parallel deployment of `inv` runs (COLUMN_PARALLEL split N,
+    ROW_PARALLEL split K), named `<name>-tp<tp>`, in the same family (evaluation leaves a model's shards out
+    with it). InputError naming the model, tp and role for a split that does not exist: tp < 2, a role of
+    neither kind, N not divisible (attention: heads) or below one per rank, K/tp not a whole number of blocks
+    (32 weights; 256 for a super-block codebook the shape is typed with)."""
+    if tp < 2:
+        raise InputError(f"tensor-parallel degree {tp}: must be 2 or more")
+    shapes = []
+    for shape in inv.shapes:
+        base = shape.role.split(":")[0]
+        what = f"{inv.name} tp={tp} role {shape.role}"
+        if base in COLUMN_PARALLEL:
+            n, k = _column_n(inv, shape, base, tp, what), shape.k
+        elif base in ROW_PARALLEL:
+            if shape.k % tp:
+                raise InputError(f"{what}: K={shape.k} does not split {tp} ways")
+            n, k = shape.n, shape.k // tp
+            for unit, name in [(BLOCK, "block"), *((get(cb).weights, f"{cb} block") for cb in shape.codebooks)]:
+                if k % unit:
+                    raise InputError(f"{what}: K={shape.k}/{tp}={k} is not a multiple of {unit} (the {name})")
+        else:
+            raise InputError(f"{what}: neither column- nor row-parallel, no tensor-parallel split is known")
+        role = f"{base}:{n}x{k}" if ":" in shape.role else shape.role
+        shapes.append(Shape(n, k, role, f"{inv.name}-tp{tp}", inv.family, shape.codebooks))
+    return Inventory(f"{inv.name}-tp{tp}", inv.family, f"{inv.source} (tensor-parallel {tp})", tuple(shapes),
+                     tuple(sorted({**dict(inv.config), "tensor_parallel": tp}.items())))
