@@ -5,7 +5,10 @@ Every time is a CUDA-graph replay of R launches on one explicit stream, events r
 cold L2 by rotating weight copies past 3x the device's L2, interleaved rounds, medians
 (dispatch.measure.timing). Weights are random codes with finite random scales: no zeros, no special values.
 
-    python bench/kernels.py --out bench/results/kernels-nvidia-h200.json --plot bench/results/roofline-nvidia-h200.png
+    python bench/kernels.py --plot bench/results/roofline-nvidia-h200.png
+
+Results are kept per GPU model: by default bench/results/kernels-<gpu-slug>.json (`--out` elsewhere), with the
+report (bench/kernels_report.py) written beside it as kernels-<gpu-slug>.md.
 
 Rows: Q4_0 and Q8_0 at M in MS on every anchor, the super-block codebooks at M = 1 and 16, the other legacy
 ones at M = 1; cuBLAS fp16 and tinygemm wherever M > 1 or the codebook is Q4_0 or Q8_0. End to end: the sum over one
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -40,6 +44,7 @@ from anchors import (
     LLAMA_8B_LM_HEAD,
     LLAMA_8B_QUANTIZED_PER_LAYER,
 )
+from gemv_dispatch.dispatch.common.gpu import gpu_slug
 from gemv_dispatch.dispatch.measure.sweep import GpuTimer, sweep_timing
 from gemv_dispatch.dispatch.measure.timing import (
     CupyBackend,
@@ -55,6 +60,7 @@ from gemv_dispatch.kernels.registry import by_id, candidates_for
 
 MS = (1, 2, 4, 8, 16, 31)
 M_CODEBOOKS = ("Q4_0", "Q8_0")  # the codebooks the small-batch targets name
+RESULTS = Path(__file__).resolve().parent / "results"
 SUPERBLOCK_MS = (1, 16)  # the super-block targets: M = 1 against the ceiling, M = 16 against cuBLAS fp16
 E2E_MS = (1, 16)
 CONFIG = replace(sweep_timing(), window_us=300.0)  # the sweep's settings, longer windows
@@ -285,7 +291,8 @@ def plot_roofline(rows: list[dict[str, Any]], ceiling: float, path: Path) -> Non
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, required=True, help="JSON results file")
+    ap.add_argument("--out", type=Path, help="JSON results file (default: bench/results/kernels-<gpu-slug>.json); "
+                    "the report is written beside it as .md")
     ap.add_argument("--plot", type=Path, help="roofline PNG (matplotlib)")
     ap.add_argument("--quick", action="store_true", help="three anchors, no end-to-end figure (smoke run)")
     args = ap.parse_args()
@@ -340,13 +347,16 @@ def main() -> None:
         print(json.dumps({key: v for key, v in row.items() if key != "candidates_us"}), flush=True)
     e2e = {} if args.quick else {f"{cb} M={m}": end_to_end(cb, m, ours, baseline, quantize_us)
                                   for cb in M_CODEBOOKS for m in E2E_MS}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
+    out = args.out or RESULTS / f"kernels-{gpu_slug(prov.gpu_name)}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     data = {"device": props, "read_ceiling_gbs": ceiling, "floor_us": floors, "config": CONFIG.__dict__,
             "seconds": time.time() - t0, "rows": rows, "end_to_end_us": e2e}
-    args.out.write_text(json.dumps(data, indent=1) + "\n")
+    out.write_text(json.dumps(data, indent=1) + "\n")
     if args.plot:
         plot_roofline(rows, ceiling, args.plot)
-    print(kernels_report.report(data, str(args.out)))
+    text = kernels_report.report(data, os.path.relpath(out))  # the report names it as typed from here
+    out.with_suffix(".md").write_text(text + "\n")
+    print(text)
 
 
 if __name__ == "__main__":
