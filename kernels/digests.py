@@ -27,12 +27,11 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 
 from . import program
 from .errors import EnvironmentProblem
-from .ptxas import Build, compile_report, source_name
+from .ptxas import Build, build_parallel, source_name
 from .registry import Candidate, instantiations
 
 REFERENCE_ARCH = "sm_90"
@@ -91,10 +90,7 @@ def nvcc_release() -> str:
 def canonical_builds() -> list[Build]:
     """The build the digests are defined on: every instantiation of the registry, sorted by name and dealt
     round-robin into UNITS translation units (compiled in parallel), for REFERENCE_ARCH."""
-    names = sorted({name for _, name in instantiations()})
-    units = [names[i::UNITS] for i in range(UNITS)]
-    with ThreadPoolExecutor(UNITS) as pool:
-        return list(pool.map(lambda unit: compile_report(unit, REFERENCE_ARCH), units))
+    return build_parallel(sorted({name for _, name in instantiations()}), REFERENCE_ARCH, units=UNITS)
 
 
 def build(builds: Iterable[Build] | None = None) -> dict[str, str]:

@@ -106,9 +106,10 @@ def error_line(output: str) -> str:
 JOBS = min(16, os.cpu_count() or 1)  # parallel nvcc processes: nvcc is single-threaded, ~0.2 s per instantiation
 
 
-def build_parallel(kernel_names: list[str], arch: str = "sm_90", text: str | None = None) -> list[Build]:
-    """compile_report over up to JOBS translation units at once, each of a share of `kernel_names`."""
-    chunks = [kernel_names[i::JOBS] for i in range(min(JOBS, len(kernel_names)))]
+def build_parallel(kernel_names: list[str], arch: str = "sm_90", text: str | None = None,
+                   units: int = JOBS) -> list[Build]:
+    """compile_report over `units` translation units at once (default JOBS), `kernel_names` dealt round-robin."""
+    chunks = [kernel_names[i::units] for i in range(min(units, len(kernel_names)))]
     with ThreadPoolExecutor(len(chunks) or 1) as pool:
         return list(pool.map(lambda chunk: compile_report(chunk, arch, text), chunks))
 

@@ -768,17 +768,18 @@ class Corpus:
 
     @cached_property
     def _current_by_cell(self) -> dict[Cell, list[Record]]:
-        out: dict[Cell, list[Record]] = {}
-        for r in self.current:
-            out.setdefault(r.cell, []).append(r)
-        return out
+        return _group_by_cell(self.current)
 
     @cached_property
     def _by_cell(self) -> dict[Cell, list[Record]]:
-        out: dict[Cell, list[Record]] = {}
-        for r in self.records:
-            out.setdefault(r.cell, []).append(r)
-        return out
+        return _group_by_cell(self.records)
+
+
+def _group_by_cell(records: Iterable[Record]) -> dict[Cell, list[Record]]:
+    out: dict[Cell, list[Record]] = {}
+    for r in records:
+        out.setdefault(r.cell, []).append(r)
+    return out
 
 
 def load(folder: str | os.PathLike[str], *, kernel_digest: str | None = None, gpu_uuid: str | None = None,
