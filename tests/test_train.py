@@ -16,6 +16,7 @@ from gemv_dispatch.dispatch.learn.train import (
     Measurements,
     TimeModel,
     TrainOptions,
+    _NodeRows,
     _preference,
     _Rows,
     best_launch,
@@ -197,7 +198,7 @@ def test_a_leaf_ranks_an_identity_it_never_saw_by_its_nearest_ancestor():
     y = np.array([[0.0, 0.0, 0.0], [0.0, 0.0, 0.0], [1.0, 0.1, 1.0], [1.2, 0.2, 1.2]])
     rows = _Rows(np.zeros((4, 1), dtype=np.int64), y, np.ones(4), usable, np.full(4, 2.0))
     leaf, ancestor = np.array([0, 1]), np.array([0, 1, 2, 3])
-    assert _preference(rows, leaf, options, [ancestor]) == ("b32", "a16.fast", "a16.slow")
+    assert _preference(rows, leaf, options, [_NodeRows(rows, ancestor)]) == ("b32", "a16.fast", "a16.slow")
     assert _preference(rows, leaf, options) == ("b32", "a16.slow", "a16.fast")
 
 

@@ -344,8 +344,29 @@ def _regret_rows(options: Sequence[Any], rows: Iterable[tuple[list[int], Mapping
     return _Rows(np.asarray(xs, dtype=np.int64), np.asarray(ys), np.asarray(ws), np.asarray(us), np.asarray(fb))
 
 
+class _NodeRows:
+    """A tree node's rows, with what every leaf below it asks of them computed once: which options some row can
+    run, and each option's weighted mean log regret over the rows that can run it."""
+
+    def __init__(self, rows: _Rows, idx: np.ndarray) -> None:
+        self.rows, self.idx = rows, idx
+        self._runs: np.ndarray | None = None
+        self._means: dict[int, float] = {}
+
+    def runs(self, j: int) -> bool:
+        if self._runs is None:
+            self._runs = self.rows.usable[self.idx].any(axis=0)
+        return bool(self._runs[j])
+
+    def mean(self, j: int) -> float:
+        if j not in self._means:
+            can = self.idx[self.rows.usable[self.idx, j]]
+            self._means[j] = float(np.average(self.rows.y[can, j], weights=self.rows.weight[can]))
+        return self._means[j]
+
+
 def _preference(rows: _Rows, idx: np.ndarray, options: Sequence[Any],
-                ancestors: Sequence[np.ndarray] = ()) -> tuple[Any, ...]:
+                ancestors: Sequence[_NodeRows] = ()) -> tuple[Any, ...]:
     """Ordered list for the rows `idx` of a leaf. Greedy first: repeatedly append the option that most lowers
     the weighted summed log regret of select's pick (first usable entry, else the canonical) until none
     helps; ties go to the earlier option (smaller identity, registry order). Then every other option by its
@@ -369,17 +390,13 @@ def _preference(rows: _Rows, idx: np.ndarray, options: Sequence[Any],
         open_ &= ~usable[:, j]
     mean = np.average(y, axis=0, weights=w)
     in_leaf = usable.any(axis=0)
-    runs_at: list[np.ndarray] = []  # per ancestor level reached so far: the options some of its rows can run
 
     def rank(j: int) -> tuple[int, float]:
         if in_leaf[j]:
             return 0, float(mean[j])
         for level, up in enumerate(ancestors, 1):
-            if len(runs_at) < level:  # one pass over an ancestor's rows serves every option
-                runs_at.append(rows.usable[up].any(axis=0))
-            if runs_at[level - 1][j]:
-                can = rows.usable[up, j]
-                return level, float(np.average(rows.y[up[can], j], weights=rows.weight[up[can]]))
+            if up.runs(j):
+                return level, up.mean(j)
         return len(ancestors) + 1, 0.0
 
     rest = sorted((*rank(j), j) for j in range(len(options)) if options[j] not in chosen)
@@ -404,11 +421,13 @@ def _fit_tree(rows: _Rows, names: tuple[str, ...], options: Sequence[Any], param
         if t.children_left[i] != -1:
             parent[t.children_left[i]] = parent[t.children_right[i]] = i
 
-    def ancestors(node: int) -> list[np.ndarray]:
+    groups = [_NodeRows(rows, idx) for idx in node_rows]  # shared by the leaves below each node
+
+    def ancestors(node: int) -> list[_NodeRows]:
         """The rows of each node above `node`, nearest first."""
         up = []
         while (node := parent[node]) != -1:
-            up.append(node_rows[node])
+            up.append(groups[node])
         return up
 
     nodes, leaves = [], []
