@@ -229,7 +229,7 @@ def test_leave_one_family_out_leaves_each_family_out_and_measures_the_excess(tmp
 
     monkeypatch.setattr(ev, "fit_fallback", spy)
     lines: list[str] = []
-    data = ev.evaluate(corpus, inventories=inventories, folds=2, progress=lines.append).data
+    data = ev.evaluate(corpus, inventories=inventories, folds=2, progress=lines.append, workers=1).data
     lofo = data["lofo"]
     assert lofo["families"] == {"fam-a": 2, "fam-b": 3, "fam-c": 1, "phi-3": 1}
     cells_per_geometry = 2 * 2 * 2  # codebooks x M x modes
@@ -248,6 +248,10 @@ def test_leave_one_family_out_leaves_each_family_out_and_measures_the_excess(tmp
     text = ev.render(data)
     assert text.count("target: ") == 3 and ("PASS" in text or "FAIL" in text)
     assert any("leave-one-family-out 4/4: phi-3" in line for line in lines)
+    # The folds in worker processes (which the spy cannot see) give the same report.
+    lines.clear()
+    assert ev.evaluate(corpus, inventories=inventories, folds=2, progress=lines.append, workers=2).data == data
+    assert sum(line.endswith(": done") for line in lines) == 1 + 4 + 2, lines  # the hold-out, the families, CV
 
 
 def test_size_buckets_count_true_weight_bytes():

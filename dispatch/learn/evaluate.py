@@ -37,7 +37,11 @@ Other methods:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping
+import multiprocessing
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -45,6 +49,7 @@ from typing import Any
 import numpy as np
 
 from ...kernels.errors import InputError
+from ..common.threads import ENV as THREADS_ENV
 from ..measure.corpus import Corpus
 from ..measure.shapes import GRID_NAME, Inventory, load_inventories
 from .features import weight_bytes
@@ -178,17 +183,12 @@ def family_geometries(inventories: Iterable[Inventory],
     return {fam: geos for fam, geos in sorted(out.items()) if geos and geos != measured}
 
 
-def lofo(meas: Measurements, rows: FallbackRows, families: Mapping[str, set[tuple[int, int]]],
-         invariant: Mapping[LaunchKey, float], options: TrainOptions,
-         progress: Progress | None = None) -> tuple[dict[str, Any], dict[tuple[str, LaunchKey], float]]:
-    """Leave-one-family-out: the fallback's regret, the invariant oracle's and the excess of the one over the
-    other, on every family's cells in turn, and the TARGETS' verdicts; and the fallback's ratio per
-    (family, cell)."""
-    fallback: dict[tuple[str, LaunchKey], float] = {}
-    for i, (family, held) in enumerate(families.items(), 1):
-        if progress:
-            progress(f"leave-one-family-out {i}/{len(families)}: {family} ({len(held)} geometries)")
-        fallback |= {(family, key): r for key, r in fold_ratios(meas, rows, held, options).items()}
+def lofo(families: Mapping[str, set[tuple[int, int]]], folds: Mapping[str, Mapping[LaunchKey, float]],
+         invariant: Mapping[LaunchKey, float]) -> tuple[dict[str, Any], dict[tuple[str, LaunchKey], float]]:
+    """Leave-one-family-out from each family's fold (`fold_ratios` with its geometries held out): the
+    fallback's regret, the invariant oracle's and the excess of the one over the other, and the TARGETS'
+    verdicts; and the fallback's ratio per (family, cell)."""
+    fallback = {(family, key): r for family, ratios in folds.items() for key, r in ratios.items()}
     paired = {fk: r for fk, r in fallback.items() if fk[1] in invariant}
     figures = {"fallback": paired, "invariant-oracle": {fk: invariant[fk[1]] for fk in paired},
                "excess": {fk: r / invariant[fk[1]] for fk, r in paired.items()}}
@@ -242,11 +242,69 @@ class Report:
     regrets: dict[str, list[float]]
 
 
+@dataclass(frozen=True)
+class _Fold:
+    """One fit of `evaluate` that needs only the shared state: a fold of the fallback (`held` out of `meas`, or
+    of the training part without the sealed hold-out when `within_training`), or the sealed hold-out."""
+
+    label: str  # what progress says of it
+    held: frozenset[tuple[int, int]] = frozenset()
+    within_training: bool = False
+    holdout: bool = False
+
+
+_SHARED: dict[str, Any] = {}  # what every _Fold reads: set once per worker process, or in this one
+
+
+def _share(state: Mapping[str, Any], worker: bool = False) -> None:
+    if worker:  # two workers on two cores: an OpenMP pool per worker would oversubscribe them (common.threads)
+        os.environ[THREADS_ENV] = "1"
+    _SHARED.clear()
+    _SHARED.update(state)
+
+
+def _run_fold(fold: _Fold) -> dict[LaunchKey, float]:
+    train_meas, options = _SHARED["train_meas"], _SHARED["options"]
+    if fold.holdout:
+        return policy_ratios(fit_policy(train_meas, options), _SHARED["test_meas"], overlays=False)
+    return fold_ratios(train_meas if fold.within_training else _SHARED["meas"], _SHARED["rows"], set(fold.held),
+                       options)
+
+
+def _start_folds(folds: Sequence[_Fold], state: Mapping[str, Any], processes: int, say: Callable[[str], None],
+                 stack: ExitStack) -> Callable[[], list[dict[LaunchKey, float]]]:
+    """Start the folds and return what collects their ratios, in the order given. With no `processes` they run
+    in this process when collected; else at once in that many spawned processes, each handed `state` once
+    (the pool is shut down when `stack` closes). The results do not depend on which. Progress names each fold
+    as it starts (here) or ends (workers)."""
+    if processes < 1:
+        def run_here() -> list[dict[LaunchKey, float]]:
+            _share(state)
+            try:
+                return [say(fold.label) or _run_fold(fold) for fold in folds]
+            finally:
+                _SHARED.clear()
+        return run_here
+    context = multiprocessing.get_context("spawn")  # fork would copy OpenMP's state, which deadlocks libgomp
+    pool = stack.enter_context(ProcessPoolExecutor(processes, mp_context=context, initializer=_share,
+                                                   initargs=(state, True)))
+    futures = {pool.submit(_run_fold, fold): fold for fold in folds}
+
+    def collect() -> list[dict[LaunchKey, float]]:
+        for future in as_completed(futures):
+            say(f"{futures[future].label}: done")
+        return [future.result() for future in futures]
+    return collect
+
+
 def evaluate(corpus: Corpus, options: TrainOptions | None = None, inventories: list[Inventory] | None = None,
-             folds: int = FOLDS, progress: Progress | None = None) -> Report:
+             folds: int = FOLDS, progress: Progress | None = None, workers: int = 1) -> Report:
     """Fit and score every method of the module docstring on `corpus`; `progress` hears of each fit.
 
-    inventories default to the shipped model inventories (they name the families and the hold-out's geometries)."""
+    inventories default to the shipped model inventories (they name the families and the hold-out's geometries).
+    With `workers` > 1 the folds run in that many spawned processes and the sealed hold-out in one more, beside
+    the whole corpus's fit (a script that calls this needs the `if __name__ == "__main__":` guard that spawned
+    processes need); the report is the same for any count."""
     from sklearn.model_selection import GroupKFold
 
     def say(text: str) -> None:
@@ -265,30 +323,42 @@ def evaluate(corpus: Corpus, options: TrainOptions | None = None, inventories: l
     train_meas = meas.subset(lambda n, k: (n, k) not in held)
     test_meas = meas.subset(lambda n, k: (n, k) in held)
 
-    say(f"time model and policy on the whole corpus ({len(meas.times)} cells)")
-    model = TimeModel(random_state=options.random_state).fit(meas)
-    profile = validate_profile(options.profile)
-    scores = score(meas, model, profile)
-    rows = FallbackRows.build(meas, scores, options.predicted_weight)
-    full = with_overlays(meas, scores, fit_fallback(meas, rows, options))
-    invariant = invariant_ratios(meas, scores.chosen)
-    headline, lofo_ratios = lofo(meas, rows, families, invariant, options, progress)
+    with ExitStack() as stack:
+        # The sealed hold-out needs nothing of the whole corpus's fit: with a core to spare it runs beside it.
+        holdout = _start_folds([_Fold(f"sealed hold-out ({', '.join(HOLDOUT_FAMILIES)}): time model and policy "
+                                      "without them", holdout=True)],
+                               {"train_meas": train_meas, "test_meas": test_meas, "options": options},
+                               1 if workers > 1 else 0, say, stack)
+        say(f"time model and policy on the whole corpus ({len(meas.times)} cells)")
+        model = TimeModel(random_state=options.random_state).fit(meas)
+        profile = validate_profile(options.profile)
+        scores = score(meas, model, profile)
+        rows = FallbackRows.build(meas, scores, options.predicted_weight)
+        full = with_overlays(meas, scores, fit_fallback(meas, rows, options))
+        invariant = invariant_ratios(meas, scores.chosen)
 
-    geos = sorted({(n, k) for _, n, k in train_meas.geometries()})
-    splits = GroupKFold(n_splits=min(folds, len(geos))).split(geos, groups=list(range(len(geos))))
+        geos = sorted({(n, k) for _, n, k in train_meas.geometries()})
+        splits = list(GroupKFold(n_splits=min(folds, len(geos))).split(geos, groups=list(range(len(geos)))))
+        fold_jobs = [
+            *(_Fold(f"leave-one-family-out {i}/{len(families)}: {family} ({len(geos_out)} geometries)",
+                    frozenset(geos_out)) for i, (family, geos_out) in enumerate(families.items(), 1)),
+            *(_Fold(f"grouped cross-validation {i}/{len(splits)}", frozenset(geos[j] for j in test_idx), True)
+              for i, (_, test_idx) in enumerate(splits, 1))]
+        fold_results = _start_folds(fold_jobs, {"meas": meas, "train_meas": train_meas, "rows": rows,
+                                                "options": options},
+                                    min(workers, len(fold_jobs)) if workers > 1 else 0, say, stack)()
+        (holdout_ratios,) = holdout()
+    family_folds, cv_folds = fold_results[:len(families)], fold_results[len(families):]
+    headline, lofo_ratios = lofo(families, dict(zip(families, family_folds, strict=True)), invariant)
     cv: dict[LaunchKey, float] = {}
-    for i, (_, test_idx) in enumerate(splits, 1):
-        say(f"grouped cross-validation {i}/{min(folds, len(geos))}")
-        test = {geos[j] for j in test_idx}
-        cv |= fold_ratios(train_meas, rows, test, options)
-    say(f"sealed hold-out ({', '.join(HOLDOUT_FAMILIES)}): time model and policy without them")
-    frozen = fit_policy(train_meas, options)
+    for ratios in cv_folds:
+        cv |= ratios
 
     methods = {
         "policy": policy_ratios(full, meas),
         "invariant-oracle": invariant,
         "fallback-cv": dict(sorted(cv.items())),
-        "fallback-holdout": policy_ratios(frozen, test_meas, overlays=False),
+        "fallback-holdout": holdout_ratios,
         "best-single": best_single_ratios(meas),
         "mmvq": mmvq_ratios(meas),
     }
