@@ -405,7 +405,7 @@ def train_command(corpus_folder: Path | None, output: Path, profile: str | None)
 @PROFILE_OPTION
 @click.option("--folds", type=click.IntRange(2), default=5, show_default=True, help="Grouped CV folds.")
 @click.option("--jobs", type=click.IntRange(1), help="Processes for the folds and the hold-out (default: the "
-              "cores other work leaves free, as for the fits' threads); the report is the same for any count.")
+              "cores this process may run on); the report is the same for any count.")
 @click.option("--json", "as_json", is_flag=True, help="Print the whole report as one JSON object.")
 @click.option("--plot", type=click.Path(path_type=Path), help="Write the regret CDF here "
               "(needs the `plot` extra: matplotlib).")
@@ -416,7 +416,7 @@ def evaluate_command(corpus_folder: Path | None, profile: str | None, folds: int
     inventories (the fallback alone, the invariant oracle, the fallback's excess over it, with the targets'
     PASS/FAIL). Then the policy with overlays, the fallback under grouped CV and on the sealed family hold-out,
     best single candidate, an MMVQ-style rule, and the price of invariance. Progress goes to stderr."""
-    from .common.threads import thread_budget
+    from .common.threads import usable_cores
     from .learn import evaluate, train
     from .measure.corpus import load
 
@@ -427,7 +427,7 @@ def evaluate_command(corpus_folder: Path | None, profile: str | None, folds: int
         evaluate.require_matplotlib()  # fail before minutes of fitting, not after
     start = time.monotonic()
     report = evaluate.evaluate(load(_corpus_folder(corpus_folder)), train.TrainOptions(profile=_profile(profile)),
-                               folds=folds, workers=jobs or thread_budget(), progress=lambda line: click.echo(
+                               folds=folds, workers=jobs or usable_cores(), progress=lambda line: click.echo(
                                    f"evaluate: [{time.monotonic() - start:4.0f} s] {line}", err=True))
     if plot is not None:
         evaluate.plot_cdf(report, plot)

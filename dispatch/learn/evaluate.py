@@ -257,7 +257,9 @@ _SHARED: dict[str, Any] = {}  # what every _Fold reads: set once per worker proc
 
 
 def _share(state: Mapping[str, Any], worker: bool = False) -> None:
-    if worker:  # two workers on two cores: an OpenMP pool per worker would oversubscribe them (common.threads)
+    # Worker processes only share the cores by turns; an OpenMP pool in each would also spin at its barriers
+    # while another worker holds the core (common.threads), so each fits with one thread.
+    if worker:
         os.environ[THREADS_ENV] = "1"
     _SHARED.clear()
     _SHARED.update(state)

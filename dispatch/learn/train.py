@@ -216,13 +216,16 @@ class TimeModel:
         raw_at = dict(zip(need, self.raw(need), strict=True))
         base = self.raw(keys)
         out = np.empty(len(keys))
+        resids: dict[tuple[str, str, int, int, str], dict[int, float]] = {}  # one per launch, shared by its Ms
         for i, (cb, c, m, n, k, mode) in enumerate(keys):
             measured = times.get((cb, m, n, k, mode), {}).get(c)
             if measured is not None:
                 out[i] = measured
                 continue
-            ms = sorted(anchors.get((cb, c, n, k, mode), ()))
-            resid = {am: math.log(times[(cb, am, n, k, mode)][c]) - raw_at[(cb, c, am, n, k, mode)] for am in ms}
+            launch = (cb, c, n, k, mode)
+            if (resid := resids.get(launch)) is None:
+                resid = resids[launch] = {am: math.log(times[(cb, am, n, k, mode)][c]) - raw_at[(cb, c, am, n, k, mode)]
+                                          for am in sorted(anchors.get(launch, ()))}
             out[i] = math.exp(base[i] + _interpolate(resid, m))
         return out
 
