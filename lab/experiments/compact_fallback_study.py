@@ -370,6 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--launch-trees", type=int, default=Params.launch_trees)
     parser.add_argument("--identity-trees", type=int, default=Params.identity_trees)
     parser.add_argument("--depth", type=int, default=Params.launch_depth)
+    parser.add_argument("--rate", type=float, default=Params.launch_rate, help="shrinkage of both runtime models")
     parser.add_argument("--grid", type=int, default=1000, help="grid shapes the teacher labels")
     parser.add_argument("--grid-weight", type=float, default=Params.grid_weight)
     parser.add_argument("--center", choices=("none", "shape", "cell"), default="shape",
@@ -382,7 +383,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-cost", action="store_true", help="skip the full-corpus fit and the timing")
     args = parser.parse_args(argv)
     params = Params(launch_trees=args.launch_trees, identity_trees=args.identity_trees, launch_depth=args.depth,
-                    identity_depth=args.depth, grid_weight=args.grid_weight)
+                    identity_depth=args.depth, grid_weight=args.grid_weight, launch_rate=args.rate,
+                    identity_rate=args.rate)
     t0 = time.perf_counter()
 
     def say(text: str) -> None:

@@ -38,6 +38,8 @@ from gemv_dispatch.dispatch.learn.train import FAMILIES, serving
 from gemv_dispatch.kernels.registry import BY_ID, CANDIDATES
 
 KEYS = 1000
+LANES = 8  # options per block of the C evaluator: a key has about 5 identities and 8 launches of one identity
+MAX_OPTIONS = 64  # launches of one identity at one key, at most (the registry has 63 candidates)
 
 
 class IntModel:
@@ -66,14 +68,23 @@ class IntModel:
         exec(f"def predict(x):\n    return 0 + {' + '.join(terms) or '0'}\n", scope)
         return scope["predict"]
 
-    def c_arrays(self, tag: str) -> str:
-        rows = lambda a: ",\n".join("{" + ",".join(map(str, r)) + "}" for r in a)  # noqa: E731
-        return (f"#define {tag}_T {self.trees}\n"
-                f"static const unsigned char {tag}_F[{max(1, self.trees)}][{self.depth}] = "
-                f"{{{rows(self.feats) or '{0}'}}};\n"
-                f"static const int32_t {tag}_TH[{max(1, self.trees)}][{self.depth}] = {{{rows(self.thr) or '{0}'}}};\n"
-                f"static const int32_t {tag}_V[{max(1, self.trees)}][{1 << self.depth}] = "
-                f"{{{rows(self.leaves) or '{0}'}}};\n")
+    def c_code(self, tag: str) -> str:
+        """The leaf tables and predict_<tag>(X, options, acc): X[feature][option], LANES options at a time. Each tree
+        is spelled out with its features and thresholds as immediates (as a renderer would write it): per level one
+        compare over a contiguous row of LANES ints, which -O2 vectorizes; the leaf lookups are the only gathers."""
+        assert all(-(1 << 15) < v < (1 << 15) - 1 for r in self.thr for v in r), "thresholds beyond int16"
+        leaves = ",\n".join("{" + ",".join(map(str, r)) + "}" for r in self.leaves) or "{0}"
+        lines = [f"static const int32_t {tag}_V[{max(1, self.trees)}][{1 << self.depth}] = {{{leaves}}};",
+                 f"static void predict_{tag}(int16_t (*X)[MAXO + LANES], int nopt, int64_t *acc) {{",
+                 "  for (int j0 = 0; j0 < nopt; j0 += LANES) {",
+                 "    int64_t s[LANES] = {0}; int16_t i[LANES];"]
+        for t, (fs_, ts) in enumerate(zip(self.feats, self.thr, strict=True)):
+            bits = " | ".join(f"((X[{f}][j0 + j] > {v}) << {self.depth - 1 - d})"
+                              for d, (f, v) in enumerate(zip(fs_, ts, strict=True)))
+            lines.append(f"    for (int j = 0; j < LANES; j++) i[j] = {bits};")
+            lines.append(f"    for (int j = 0; j < LANES; j++) s[j] += {tag}_V[{t}][i[j]];")
+        lines += ["    for (int j = 0; j < LANES; j++) acc[j0 + j] = s[j];", "  }", "}"]
+        return "\n".join(lines) + "\n"
 
     def nbytes(self) -> int:
         """As integer arrays: a byte per feature index, 4 per threshold and per leaf (both fit int32)."""
@@ -107,8 +118,8 @@ C_TEMPLATE = Path(__file__).with_name("compact_select.c.in")  # a %-format templ
 
 def c_source(ident: IntModel, launch: IntModel, sm: int) -> str:
     col = lambda f: ",".join(str(int(f(c))) for c in CANDIDATES)  # noqa: E731
-    head = (f"#define SM {sm}\n#define DEPTH {launch.depth}\n#include <stdint.h>\n"
-            + ident.c_arrays("ID") + launch.c_arrays("LA"))
+    head = (f"#include <stdint.h>\n#define SM {sm}\n#define LANES {LANES}\n#define MAXO {MAX_OPTIONS}\n"
+            + ident.c_code("ID") + launch.c_code("LA"))
     return head + C_TEMPLATE.read_text() % {"fam": col(lambda c: FAMILIES.index(c.family)),
                                             "ks": col(lambda c: c.ksplit),
                             "th": col(lambda c: c.threads), "cpt": col(lambda c: c.cpt),
@@ -172,11 +183,17 @@ def save(path: Path, launch_model: Oblivious, identity_model: Oblivious, sm: int
 
 
 def main() -> None:
-    """Measure saved models again (e.g. after changing an evaluator): compact_render.py MODELS.npz"""
+    """Measure saved models again (a quieter machine, a changed evaluator) and store the figures in the study's
+    result: compact_render.py MODELS.npz [RESULT.json]"""
     data = np.load(sys.argv[1])
     launch_model, identity_model = (Oblivious(float(data[f"{tag}_base"]), data[f"{tag}_feats"], data[f"{tag}_thr"],
                                               data[f"{tag}_leaves"]) for tag in ("launch", "identity"))
-    print(json.dumps(measure(launch_model, identity_model, int(data["sm"]), print), indent=1))
+    cost = measure(launch_model, identity_model, int(data["sm"]), print)
+    if len(sys.argv) > 2:
+        path = Path(sys.argv[2])
+        result = json.loads(path.read_text())
+        result["cost"] = cost
+        path.write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
 
 
 if __name__ == "__main__":
