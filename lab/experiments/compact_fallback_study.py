@@ -9,17 +9,21 @@ generated module and C header can evaluate exactly:
   an octave by bit_length, shifts and six squarings of a 17-bit mantissa: the same bits in C's uint64), ratios as
   differences of those logs or scaled by 64, weight bytes true (features.weight_bytes);
 - the launch model: boosted *oblivious* trees (every node of a level shares feature and threshold, so a depth-d
-  tree is d compares forming a leaf index) of log time, leaves rounded to ints (x 2^16): a prediction is an
-  integer sum, an argmin the same in Python and C. Evaluated only over the launches of the chosen identity
-  valid at the key's own (M, N, K), about 10 per key;
-- the identity model: oblivious trees of log(E_i / E_1) per available identity i (E: the profile-weighted time of
-  the identity's best launch at each M), fit on the training shapes' profile times as the harness computes them
-  and on an octave grid of shapes labelled by the launch model itself (the teacher): ~7 predictions per shape.
+  tree is d compares forming a leaf index), 200 of depth 6, of log time less its cell's mean (a launch argmin
+  compares the launches of one cell: the mean cancels, and the trees spend no split on the shape's scale), leaves
+  rounded to ints (x 2^24): a prediction is an integer sum, an argmin the same in Python and C. Evaluated only over
+  the launches of the chosen identity valid at the key's own (M, N, K), about 8 per key;
+- the teacher, offline only: oblivious trees (400 of depth 8) of log time less its shape's mean, which keeps the
+  M values comparable: an identity's profile time sums its best launch over every M of the profile;
+- the identity model: oblivious trees (100 of depth 6) of log(E_i / E_1) per available identity i (E: the
+  profile-weighted time of the identity's best launch at each M), fit on the training shapes' profile times as the
+  harness computes them and on a seeded sample of an octave grid of shapes labelled by the teacher: ~5 predictions
+  per shape.
 
 Methods scored on each left-out family (as fallback_study.py scores its methods):
 - `compact`: the identity model's identity, the launch model's launch (what select would render);
-- `compact-teacher`: the identity of least profile time predicted by the launch model over every M (not
-  renderable: ~700 predictions), the same launches: what the distillation loses;
+- `compact-teacher`: the identity of least profile time predicted by the teacher over every M (not renderable:
+  ~700 predictions through 400 trees), the same launches: what the distillation loses;
 - `oracle-identity+compact-launch`: the invariant oracle's identity (hindsight), the launch model's launch;
 - `gbm-physical` (with --gbm): refit per fold, as fallback_study.py.
 
@@ -363,25 +367,31 @@ def summarize(results: Mapping[str, Mapping[tuple[str, tuple], float]], invarian
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("corpus", type=Path)
+    parser.add_argument("corpus", type=Path, nargs="?")
     parser.add_argument("-o", "--output", type=Path, required=True)
+    parser.add_argument("--show", action="store_true", help="print the result in --output again (no run)")
+    parser.add_argument("--reference", type=Path,
+                        help="a fallback_study.py result whose gbm-physical and trees rows print beside it")
     parser.add_argument("--families", help="comma-separated families to leave out [default: every model family]")
     parser.add_argument("--gbm", action="store_true", help="also refit gbm-physical per fold (slow)")
     parser.add_argument("--launch-trees", type=int, default=Params.launch_trees)
     parser.add_argument("--identity-trees", type=int, default=Params.identity_trees)
     parser.add_argument("--depth", type=int, default=Params.launch_depth)
     parser.add_argument("--rate", type=float, default=Params.launch_rate, help="shrinkage of both runtime models")
-    parser.add_argument("--grid", type=int, default=1000, help="grid shapes the teacher labels")
+    parser.add_argument("--grid", type=int, default=600, help="grid shapes the teacher labels")
     parser.add_argument("--grid-weight", type=float, default=Params.grid_weight)
-    parser.add_argument("--center", choices=("none", "shape", "cell"), default="shape",
+    parser.add_argument("--center", choices=("none", "shape", "cell"), default="cell",
                         help="the launch model's target: log time less its shape's (codebook, N, K, mode) mean, "
                              "or its cell's (+ M), or raw; an argmin never sees the mean")
-    parser.add_argument("--teacher-trees", type=int, default=0,
+    parser.add_argument("--teacher-trees", type=int, default=400,
                         help="a separate offline teacher (shape-centered) of this many trees [0: the launch model]")
     parser.add_argument("--teacher-depth", type=int, default=8)
     parser.add_argument("--save-models", type=Path, help="keep the full-corpus models (.npz) for compact_render.py")
     parser.add_argument("--no-cost", action="store_true", help="skip the full-corpus fit and the timing")
     args = parser.parse_args(argv)
+    if args.show:
+        report(json.loads(args.output.read_text()), args.reference)
+        return 0
     params = Params(launch_trees=args.launch_trees, identity_trees=args.identity_trees, launch_depth=args.depth,
                     identity_depth=args.depth, grid_weight=args.grid_weight, launch_rate=args.rate,
                     identity_rate=args.rate)
@@ -510,13 +520,18 @@ def main(argv: list[str] | None = None) -> int:
         out["cost"] = compact_render.measure(launch, student, sm, say)
     out["seconds"] = round(time.perf_counter() - t0)
     args.output.write_text(json.dumps(out, indent=1, sort_keys=True, default=int) + "\n")
-    report(out)
+    report(out, args.reference)
     return 0
 
 
-def report(out: Mapping) -> None:
+def report(out: Mapping, reference: Path | None = None) -> None:
+    """The table: total and excess regret (%), excess geomean at M = 1, 4, 16; a reference study's rows after."""
     print(f"{'method':<32} {'total gm':>9} {'excess gm':>9} {'p95':>8} {'max':>8} {'M=1':>6} {'M=4':>6} {'M=16':>6}")
-    for name, res in out["methods"].items():
+    rows = dict(out["methods"])
+    if reference is not None:
+        ref = json.loads(reference.read_text())["methods"]
+        rows |= {f"{name} (fallback_study)": ref[name] for name in ("gbm-physical", "trees")}
+    for name, res in rows.items():
         t, e = res["total"]["all"], res["excess"]["all"]
         by_m = [res["excess"]["m"].get(str(m), {}).get("geomean", math.nan) for m in (1, 4, 16)]
         print(f"{name:<32} {t['geomean']:>9.2f} {e['geomean']:>9.2f} {e['p95']:>8.2f} {e['max']:>8.2f} "
