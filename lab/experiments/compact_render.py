@@ -65,7 +65,8 @@ class IntModel:
                               for d, (f, v) in enumerate(zip(fs_, ts, strict=True)))
             terms.append(f"V[{t}][{bits}]")
         scope = {"V": self.leaves}
-        exec(f"def predict(x):\n    return 0 + {' + '.join(terms) or '0'}\n", scope)
+        self.py_source = f"V = {self.leaves!r}\ndef predict(x):\n    return 0 + {' + '.join(terms) or '0'}\n"
+        exec(self.py_source, scope)
         return scope["predict"]
 
     def c_code(self, tag: str) -> str:
@@ -157,7 +158,8 @@ def measure(launch_model: Oblivious, identity_model: Oblivious, sm: int, say: Ca
            "launches_per_key_mean": round(float(np.mean([sum(i == pi for _, i in key[7])
                                                           for key, (pi, _) in zip(keys, picks, strict=True)])), 2),
            "identities_per_key_mean": round(float(np.mean([len(key[6]) for key in keys])), 2),
-           "model_bytes": {"identity": ident.nbytes(), "launch": launch.nbytes()}}
+           "model_bytes": {"identity": ident.nbytes(), "launch": launch.nbytes()},
+           "python_source_bytes": len(ident.py_source) + len(launch.py_source)}
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp, "compact.c")
         src.write_text(c_source(ident, launch, sm))
