@@ -76,8 +76,8 @@ def main() -> int:
                          "records": records, "seconds": seconds, "ratio": seconds / full_s, "again": again,
                          "ok": records == expected and again == 0 and seconds / full_s <= TARGET})
             print(f"{family}: {records} records in {seconds:.1f} s", file=sys.stderr)
-    result = {"gpu": timer.gpu_name, "replay": bool(args.replay), "codebooks": codebooks, "ms": ms, "full_seconds": full_s,
-              "full_records": full_records, "target_ratio": TARGET, "families": rows}
+    result = {"gpu": timer.gpu_name, "replay": bool(args.replay), "codebooks": codebooks, "ms": ms,
+              "full_seconds": full_s, "full_records": full_records, "target_ratio": TARGET, "families": rows}
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"\n{timer.gpu_name}: full sweep of {args.codebooks} M={args.m} graph: {full_records} records, "
           f"{full_s:.1f} s")
