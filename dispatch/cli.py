@@ -372,10 +372,10 @@ def _profile(text: str | None) -> dict[int, int]:
     return parse_profile(text) if text is not None else dict(DEFAULT_PROFILE)
 
 
-FALLBACK_OPTION = click.option("--fallback", type=click.Choice(("trees", "compact")), default="trees", show_default=True,
-                               help="The fallback for unmeasured shapes: integer decision trees, or the compact "
-                               "fallback (boosted oblivious trees over integer features, docs/policy.md §6; slower "
-                               "to train and to select, better on unseen model families).")
+FALLBACK_OPTION = click.option(
+    "--fallback", type=click.Choice(("trees", "compact")), default="trees", show_default=True,
+    help="The fallback for unmeasured shapes: integer decision trees, or the compact fallback (boosted oblivious "
+    "trees over integer features, docs/policy.md §6; slower to train and to select, better on unseen families).")
 PROFILE_OPTION = click.option("--profile", help="M profile as M:WEIGHT pairs, e.g. 1:0.5,4:0.25,16:0.25 "
                               "[default: 0.5 on M=1, 0.5 spread evenly over M in 2..16 and 31].")
 
@@ -416,8 +416,8 @@ def train_command(corpus_folder: Path | None, output: Path, profile: str | None,
 @click.option("--plot", type=click.Path(path_type=Path), help="Write the regret CDF here "
               "(needs the `plot` extra: matplotlib).")
 @user_errors
-def evaluate_command(corpus_folder: Path | None, profile: str | None, fallback: str, folds: int, jobs: int | None,
-                     as_json: bool, plot: Path | None) -> None:
+def evaluate_command(corpus_folder: Path | None, profile: str | None, fallback: str, folds: int,
+                     jobs: int | None, as_json: bool, plot: Path | None) -> None:
     """Regret against the per-cell oracle. Headline: leave-one-family-out over every model family of the shape
     inventories (the fallback alone, the invariant oracle, the fallback's excess over it, with the targets'
     PASS/FAIL). Then the policy with overlays, the fallback under grouped CV and on the sealed family hold-out,
@@ -432,8 +432,9 @@ def evaluate_command(corpus_folder: Path | None, profile: str | None, fallback: 
         check_output(plot, "plot")
         evaluate.require_matplotlib()  # fail before minutes of fitting, not after
     start = time.monotonic()
-    report = evaluate.evaluate(load(_corpus_folder(corpus_folder)), train.TrainOptions(profile=_profile(profile), fallback=fallback),
-                               folds=folds, workers=jobs or usable_cores(), progress=lambda line: click.echo(
+    options = train.TrainOptions(profile=_profile(profile), fallback=fallback)
+    report = evaluate.evaluate(load(_corpus_folder(corpus_folder)), options, folds=folds,
+                               workers=jobs or usable_cores(), progress=lambda line: click.echo(
                                    f"evaluate: [{time.monotonic() - start:4.0f} s] {line}", err=True))
     if plot is not None:
         evaluate.plot_cdf(report, plot)

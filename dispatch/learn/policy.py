@@ -360,7 +360,8 @@ def _parse(obj: dict[str, Any], where: str) -> Policy:
     if kind == COMPACT:
         compact = Compact.from_dict(fallback, f"{where}: fallback")
     elif kind != "trees" or "kind" in fallback:  # the trees are written without a kind
-        raise InputError(f"{where}: fallback kind {kind!r} is not known (this tool reads {COMPACT!r}, or the trees without a kind)")
+        raise InputError(f"{where}: fallback kind {kind!r} is not known "
+                         f"(this tool reads {COMPACT!r}, or the trees without a kind)")
     elif set(fallback) != {"identity_tree", "launch_tree"}:
         raise InputError(f"{where}: fallback must hold identity_tree and launch_tree")
     else:

@@ -309,7 +309,7 @@ class TrainOptions:
     random_state: int = RANDOM_STATE
     # "trees" (the default) or "compact" (docs/policy.md §6, compact.py): opt-in, the default's bytes unchanged
     fallback: str = "trees"
-    compact: CompactParams = CompactParams()
+    compact: CompactParams = field(default_factory=CompactParams)
 
     def __post_init__(self) -> None:
         if self.fallback not in FALLBACKS:
