@@ -131,3 +131,49 @@ def test_overlays_make_a_compact_policy_exact_on_measured_cells(tmp_path):
         assert cell[policy.select(*key).candidate] <= best * (1 + meas.noise_rel), key
     again = fit_policy(meas, TrainOptions(fallback="compact", compact=params))
     assert again.to_bytes() == policy.to_bytes(), "training is deterministic"
+
+
+CACHE_DRIVER = r"""
+#include <stdio.h>
+#include <inttypes.h>
+#include "dispatch_table.h"
+int main(void) {
+    static gemv_dispatch_identity_cache cache;
+    int cb, mode;
+    int64_t m, n, k;
+    gemv_dispatch_choice a, b;
+    long same = 0, all = 0;
+    while (scanf("%d %" SCNd64 " %" SCNd64 " %" SCNd64 " %d", &cb, &m, &n, &k, &mode) == 5) {
+        int ra = gemv_dispatch_select(cb, m, n, k, mode, &a);
+        int rb = gemv_dispatch_select_cached(&cache, cb, m, n, k, mode, &b);
+        all++;
+        same += ra == rb && (ra != 0 || (a.candidate == b.candidate && a.identity == b.identity
+                                         && a.overlay == b.overlay));
+    }
+    printf("%ld %ld\n", same, all);
+    return 0;
+}
+"""
+
+
+def test_identity_cache_answers_as_select(compact_policy, tmp_path):
+    """gemv_dispatch_select_cached == gemv_dispatch_select on keys of a few shapes (hits, and collisions that
+    replace a slot), overlay shapes among them."""
+    seed = fresh_seed()
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler (cc) on PATH")
+    rng = np.random.default_rng(seed)
+    shapes = [(int(rng.integers(0, len(compact_policy.codebooks))), int(rng.integers(1, 300_000)),
+               256 * int(rng.integers(1, 257))) for _ in range(400)]
+    shapes += [(compact_policy.codebooks.index(cb), n, k) for cb, n, k in compact_policy.identity_overlays]
+    lines = []
+    for _ in range(20_000):
+        cb, n, k = shapes[int(rng.integers(0, len(shapes)))]
+        lines.append(f"{cb} {int(rng.choice([1, 2, 4, 16, 31]))} {n} {k} {int(rng.integers(0, 2))}\n")
+    (tmp_path / "dispatch_table.h").write_bytes(generate.render(compact_policy, GOLDEN_INVENTORIES)[bundle.HEADER])
+    (tmp_path / "driver.c").write_text(CACHE_DRIVER)
+    subprocess.run(["cc", "-std=c99", "-O1", "-Wall", "-Wextra", "-pedantic", "-Werror", "-o", "driver", "driver.c"],
+                   check=True, cwd=tmp_path)
+    same, total = subprocess.run([str(tmp_path / "driver")], input="".join(lines), capture_output=True, text=True,
+                                 check=True).stdout.split()
+    assert same == total == str(len(lines)), f"seed {seed}"

@@ -309,8 +309,8 @@ def fit_oblivious(x: np.ndarray, y: np.ndarray, trees: int, depth: int, rate: fl
             gain = (sl * sl / (cl + l2) + sr * sr / (cr + l2)).sum(axis=0)
             gain[~valid] = -np.inf
             f, b = np.unravel_index(int(np.argmax(gain)), gain.shape)
-            if not np.isfinite(gain[f, b]):  # no feature varies: a level that splits nothing
-                feats[t, d], thr[t, d] = 0, 1 << 60
+            if not np.isfinite(gain[f, b]):  # no feature varies: a level that splits nothing (lg_wbytes < 64·63)
+                feats[t, d], thr[t, d] = 0, 32766
                 leaf = leaf * 2
                 continue
             feats[t, d], thr[t, d] = f, cuts[f][b]

@@ -96,6 +96,19 @@ def _compact_model(model: compact.CompactModel, tag: str) -> dict[str, Any]:
     }
 
 
+def _feature_type(fallback: compact.Compact) -> tuple[str, int, int]:
+    """(C type, min, max) of the narrowest int type the header may store features in: features are computed in
+    int64 and clamped into [min, max], which keeps every compare exact while each threshold t has min <= t < max
+    (x > max > t, and x < min <= t, compare as x itself). Narrow rows compare more options per vector instruction:
+    int16 is what the study timed."""
+    thresholds = [t for model in (fallback.identity, fallback.launch) for levels, _ in model.trees for _, t in levels]
+    for bits in (16, 32):
+        lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+        if all(lo <= t < hi for t in thresholds):
+            return f"int{bits}_t", lo, hi
+    return "int64_t", -(1 << 63), (1 << 63) - 1
+
+
 def _compact(policy: Policy, codebooks: list[str]) -> dict[str, Any] | None:
     """What the templates need of a compact fallback, or None for the trees."""
     if policy.compact is None:
@@ -120,6 +133,8 @@ def _compact(policy: Policy, codebooks: list[str]) -> dict[str, Any] | None:
         "mma_rows": registry.MMA_ROWS,
         "mma_tiles": registry.MMA_ROW_TILES,
         "lanes": COMPACT_LANES,
+        "cache_slots": 256,
+        "feature_type": _feature_type(policy.compact),
         "max_options": -(-max(len(cands), len(IDENTITIES)) // COMPACT_LANES) * COMPACT_LANES,
     }
 
