@@ -1,6 +1,7 @@
 """The dispatch policy (docs/policy.md §6, docs/policy.md): a file, and the normative `select` over it.
 
-A policy is two integer decision trees (the total fallback) plus exact overlays for measured keys. It is
+A policy is a total fallback (two integer decision trees, or opt-in the compact fallback of compact.py) plus exact
+overlays for measured keys. It is
 stored as canonical JSON (sorted keys, indent 1, trailing newline) carrying the SHA-256 of its own content
 without the "digest" key, so a hand-edited file is refused. This module imports no scikit-learn: loading a
 policy and selecting a kernel is plain Python over ints, the same steps the generated module renders.

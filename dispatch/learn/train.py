@@ -16,6 +16,8 @@ Pipeline (every step deterministic; sklearn estimators seeded):
    Splits thus separate shapes whose choices cost differently. Each leaf becomes an ordered preference list
    built greedily from the training rows that fall in it, minimizing their summed log regret under the
    exact `select` semantics (first available entry, else the canonical candidate): a geomean-regret order.
+   Opt-in instead (`TrainOptions.fallback = "compact"`): the compact fallback (compact.fit_compact), models of
+   log time whose integer scores select argmins.
 5. Overlays: an identity overlay where the tree's identity is slower over the profile than the chosen one
    beyond the noise band; a launch overlay for a measured cell where the tree's launch (under the final
    identity) is slower than the best launch of that identity beyond the noise band.
