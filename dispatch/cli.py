@@ -372,6 +372,10 @@ def _profile(text: str | None) -> dict[int, int]:
     return parse_profile(text) if text is not None else dict(DEFAULT_PROFILE)
 
 
+FALLBACK_OPTION = click.option(
+    "--fallback", type=click.Choice(("trees", "compact")), default="trees", show_default=True,
+    help="The fallback for unmeasured shapes: integer decision trees, or the compact fallback (boosted oblivious "
+    "trees over integer features, docs/policy.md §6; slower to train and to select, better on unseen families).")
 PROFILE_OPTION = click.option("--profile", help="M profile as M:WEIGHT pairs, e.g. 1:0.5,4:0.25,16:0.25 "
                               "[default: 0.5 on M=1, 0.5 spread evenly over M in 2..16 and 31].")
 
@@ -381,8 +385,9 @@ PROFILE_OPTION = click.option("--profile", help="M profile as M:WEIGHT pairs, e.
 @click.option("-o", "--output", required=True, type=click.Path(path_type=Path),
               help="Policy file to write (canonical JSON).")
 @PROFILE_OPTION
+@FALLBACK_OPTION
 @user_errors
-def train_command(corpus_folder: Path | None, output: Path, profile: str | None) -> None:
+def train_command(corpus_folder: Path | None, output: Path, profile: str | None, fallback: str) -> None:
     """Learn a dispatch policy from CORPUS_FOLDER [default: the committed corpus]: one identity per
     (codebook, N, K) over the M profile, a decision-tree fallback for every shape, exact overlays.
     Same corpus and options give the same bytes."""
@@ -391,7 +396,7 @@ def train_command(corpus_folder: Path | None, output: Path, profile: str | None)
     from .measure.corpus import load
 
     check_output(output, "policy")
-    options = train.TrainOptions(profile=_profile(profile))
+    options = train.TrainOptions(profile=_profile(profile), fallback=fallback)
     policy, notes = train.train(load(_corpus_folder(corpus_folder)), options)
     for note in notes:
         click.echo(f"warning: {note}", err=True)
@@ -403,6 +408,7 @@ def train_command(corpus_folder: Path | None, output: Path, profile: str | None)
 @main.command("evaluate")
 @click.argument("corpus_folder", required=False, type=click.Path(path_type=Path))
 @PROFILE_OPTION
+@FALLBACK_OPTION
 @click.option("--folds", type=click.IntRange(2), default=5, show_default=True, help="Grouped CV folds.")
 @click.option("--jobs", type=click.IntRange(1), help="Processes for the folds and the hold-out (default: the "
               "cores this process may run on); the report is the same for any count.")
@@ -410,8 +416,8 @@ def train_command(corpus_folder: Path | None, output: Path, profile: str | None)
 @click.option("--plot", type=click.Path(path_type=Path), help="Write the regret CDF here "
               "(needs the `plot` extra: matplotlib).")
 @user_errors
-def evaluate_command(corpus_folder: Path | None, profile: str | None, folds: int, jobs: int | None,
-                     as_json: bool, plot: Path | None) -> None:
+def evaluate_command(corpus_folder: Path | None, profile: str | None, fallback: str, folds: int,
+                     jobs: int | None, as_json: bool, plot: Path | None) -> None:
     """Regret against the per-cell oracle. Headline: leave-one-family-out over every model family of the shape
     inventories (the fallback alone, the invariant oracle, the fallback's excess over it, with the targets'
     PASS/FAIL). Then the policy with overlays, the fallback under grouped CV and on the sealed family hold-out,
@@ -426,8 +432,9 @@ def evaluate_command(corpus_folder: Path | None, profile: str | None, folds: int
         check_output(plot, "plot")
         evaluate.require_matplotlib()  # fail before minutes of fitting, not after
     start = time.monotonic()
-    report = evaluate.evaluate(load(_corpus_folder(corpus_folder)), train.TrainOptions(profile=_profile(profile)),
-                               folds=folds, workers=jobs or usable_cores(), progress=lambda line: click.echo(
+    options = train.TrainOptions(profile=_profile(profile), fallback=fallback)
+    report = evaluate.evaluate(load(_corpus_folder(corpus_folder)), options, folds=folds,
+                               workers=jobs or usable_cores(), progress=lambda line: click.echo(
                                    f"evaluate: [{time.monotonic() - start:4.0f} s] {line}", err=True))
     if plot is not None:
         evaluate.plot_cdf(report, plot)

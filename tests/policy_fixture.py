@@ -78,3 +78,21 @@ def random_policy(seed: int, codebooks: tuple[str, ...] = ("iq4_nl", "q4_0", "q4
     policy = Policy(source, options, tuple(sorted(codebooks)), identity_tree, launch_tree, identity_overlays,
                     launch_overlays, tuple(sorted((cb, n, k) for cb, n, k in keys)))
     return Policy.from_bytes(policy.to_bytes(), f"random_policy({seed})")
+
+
+def trained_compact_policy(root, seed: int = 5):
+    """A compact fallback trained on the fixture corpus (tests/corpus_fixture.py; small models, so a test runs in
+    seconds) with random_policy's overlays added, so that keys reach both the overlays and the fallback (trained on
+    the fixture, the compact fallback needs no overlay). Round-tripped through its bytes."""
+    from dataclasses import replace
+
+    from corpus_fixture import build_corpus
+    from gemv_dispatch.dispatch.learn.compact import CompactParams
+    from gemv_dispatch.dispatch.learn.train import TrainOptions, train
+    from gemv_dispatch.dispatch.measure.corpus import load
+
+    params = CompactParams(launch_trees=30, identity_trees=20, teacher_trees=30, teacher_depth=6, grid=40)
+    trained, _ = train(load(build_corpus(root)), TrainOptions(fallback="compact", compact=params))
+    overlays = random_policy(seed, codebooks=trained.codebooks)
+    policy = replace(trained, identity_overlays=overlays.identity_overlays, launch_overlays=overlays.launch_overlays)
+    return Policy.from_bytes(policy.to_bytes())

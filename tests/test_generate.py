@@ -17,7 +17,7 @@ from gemv_dispatch.kernels import registry
 from gemv_dispatch.kernels.codebooks import k_error
 from gemv_dispatch.kernels.errors import InputError
 from gemv_dispatch.kernels.registry import CANDIDATES
-from policy_fixture import random_policy
+from policy_fixture import random_policy, trained_compact_policy
 
 GOLDEN = Path(__file__).with_name("golden")
 GOLDEN_INVENTORIES = "1" * 64  # fixed, so the golden bytes do not follow edits of corpus/shapes/
@@ -38,6 +38,11 @@ int main(void) {
     return 0;
 }
 """
+
+
+@pytest.fixture(scope="module")
+def compact_policy(tmp_path_factory):
+    return trained_compact_policy(tmp_path_factory.mktemp("corpus"))
 
 
 def load_module(data: bytes, tmp: Path, name: str = "dispatch_table"):
@@ -101,9 +106,38 @@ def test_module_policy_and_header_agree(seed, codebooks, tmp_path):
     random case: generated Python == Policy.select == C header, answers and refusals alike."""
     print(f"seed {seed}")
     policy = random_policy(seed, **({"codebooks": codebooks} if codebooks else {}))
+    assert_module_policy_and_header_agree(policy, seed, 50_000, tmp_path, super_blocks=bool(codebooks))
+
+
+def test_compact_module_policy_and_header_agree(compact_policy, tmp_path):
+    """The compact fallback (trained on the fixture corpus, random overlays added): 100,000 seeded keys,
+    generated Python == Policy.select == C header."""
+    assert compact_policy.compact is not None
+    print("seed 21")
+    assert_module_policy_and_header_agree(compact_policy, 21, 100_000, tmp_path)
+
+
+def test_compact_negative_control(compact_policy, tmp_path):
+    """A launch model leaf moved changes some decisions of the rendered module, so the agreement test can fail."""
+    from dataclasses import replace
+
+    print("seed 22")
+    launch = compact_policy.compact.launch
+    (levels, leaves), *rest = launch.trees
+    moved = replace(launch, trees=((levels, tuple(v + (1 << 40) * (i % 2) for i, v in enumerate(leaves))), *rest))
+    perturbed = replace(compact_policy, compact=replace(compact_policy.compact, launch=moved))
+    module = load_module(generate.render(perturbed, GOLDEN_INVENTORIES)[bundle.MODULE], tmp_path)
+    keys = [key for key in random_keys(compact_policy, np.random.default_rng(22), 3000) if not refused(key)]
+    differ = sum(tuple(module.select(*key)) != tuple(compact_policy.select(*key)) for key in keys)
+    assert differ > 0, "a perturbed leaf must change some decision"
+
+
+def assert_module_policy_and_header_agree(policy, seed: int, count: int, tmp_path: Path,
+                                          super_blocks: bool = False) -> None:
+    """`count` seeded keys (random_keys): the rendered module and header answer as Policy.select, refusals alike."""
     rendered = generate.render(policy, GOLDEN_INVENTORIES)
     module = load_module(rendered[bundle.MODULE], tmp_path)
-    keys = random_keys(policy, np.random.default_rng(seed), 50_000)
+    keys = random_keys(policy, np.random.default_rng(seed), count)
     sources = set()
     py = []
     for key in keys:
@@ -123,7 +157,7 @@ def test_module_policy_and_header_agree(seed, codebooks, tmp_path):
     beyond = sum(bool(registry.shape_error(*key[1:4])) for key in keys)
     assert 0.2 < beyond / len(keys) < 0.6, "keys on both sides of the plane limit"
     assert any(key[0] != key[0].lower() for key in keys) and any(key[0] == key[0].lower() for key in keys)
-    if codebooks:  # super-block keys on both sides of the K rule
+    if super_blocks:  # super-block keys on both sides of the K rule
         split = [key for key in keys if key[0].lower() in ("q4_k", "q5_k", "q6_k", "iq4_xs")]
         assert sum(bool(k_error(key[0], key[3])) for key in split) > 1000
         assert sum(not refused(key) for key in split) > 1000

@@ -368,6 +368,7 @@ def evaluate(corpus: Corpus, options: TrainOptions | None = None, inventories: l
     paired = [(methods["policy"][key], invariant[key]) for key in methods["policy"] if key in invariant]
     data = {
         "corpus": dict(full.source), "cells": len(meas.times), "noise_rel": noise,
+        **({"fallback": options.fallback} if options.fallback != "trees" else {}),  # the default's report unchanged
         "lofo": headline,
         "holdout": {"families": list(HOLDOUT_FAMILIES), "geometries": len(held), "cells": len(test_meas.times)},
         "cv_folds": folds, "profile": {str(m): w for m, w in full.profile.items()},

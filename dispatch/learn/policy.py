@@ -1,6 +1,7 @@
 """The dispatch policy (docs/policy.md §6, docs/policy.md): a file, and the normative `select` over it.
 
-A policy is two integer decision trees (the total fallback) plus exact overlays for measured keys. It is
+A policy is a total fallback (two integer decision trees, or opt-in the compact fallback of compact.py) plus exact
+overlays for measured keys. It is
 stored as canonical JSON (sorted keys, indent 1, trailing newline) carrying the SHA-256 of its own content
 without the "digest" key, so a hand-edited file is refused. This module imports no scikit-learn: loading a
 policy and selecting a kernel is plain Python over ints, the same steps the generated module renders.
@@ -22,6 +23,8 @@ from ...kernels.registry import BY_ID, CANDIDATES, Candidate, shape_error
 from ..common.contract import SERVED_MS
 from ..common.digests import canonical_bytes, content_digest, read_digested
 from ..common.files import read_input, write_atomic
+from .compact import KIND as COMPACT
+from .compact import Compact
 from .features import (
     IDENTITY_FEATURES,
     LAUNCH_FEATURES,
@@ -207,16 +210,22 @@ class Choice(NamedTuple):
 @dataclass(frozen=True)
 class Policy:
     """A dispatch policy. `source` and `options` are free-form provenance (see docs/policy.md); `shapes` lists the
-    measured (codebook, n, k) it was trained on (what certification covers at least)."""
+    measured (codebook, n, k) it was trained on (what certification covers at least). The fallback is either the
+    two trees or, with `compact` set, the compact fallback (its trees are then None)."""
 
     source: Mapping[str, Any]
     options: Mapping[str, Any]
     codebooks: tuple[str, ...]
-    identity_tree: Tree
-    launch_tree: Tree
+    identity_tree: Tree | None
+    launch_tree: Tree | None
     identity_overlays: Mapping[IdentityKey, int]
     launch_overlays: Mapping[LaunchKey, str]
     shapes: tuple[IdentityKey, ...]
+    compact: Compact | None = None
+
+    def __post_init__(self) -> None:
+        if (self.compact is None) != (self.identity_tree is not None and self.launch_tree is not None):
+            raise ValueError("a policy's fallback is both trees or the compact fallback, not both or neither")
 
     @cached_property
     def digest(self) -> str:
@@ -245,6 +254,10 @@ class Policy:
         """(identity, decided by an overlay) for (codebook, N, K); arguments already checked."""
         if (codebook, n, k) in self.identity_overlays:
             return self.identity_overlays[(codebook, n, k)], True
+        if self.compact is not None:
+            avail = [i for i in IDENTITIES if canonical(i, n, k) is not None]  # 1 always: the wide launch
+            return self.compact.pick_identity(codebook, n, k, self.sm_count, avail), False
+        assert self.identity_tree is not None
         prefs = self.identity_tree.leaf(identity_features(codebook, n, k, self.sm_count))
         return next((i for i in prefs if canonical(i, n, k) is not None), 1), False
 
@@ -256,6 +269,11 @@ class Policy:
         pick = self.launch_overlays.get((codebook, m, n, k, mode))
         if pick is not None and fits(BY_ID[pick], ident, m, n, k):
             return Choice(pick, ident, "overlay")
+        if self.compact is not None:  # every launch of the identity valid here: the canonical one among them
+            options = [i for i, c in enumerate(CANDIDATES) if fits(c, ident, m, n, k)]
+            pick = CANDIDATES[self.compact.pick_launch(codebook, m, n, k, mode, self.sm_count, options)].id
+            return Choice(pick, ident, "overlay" if overlay else "fallback")
+        assert self.launch_tree is not None
         prefs = self.launch_tree.leaf(launch_features(codebook, ident, m, n, k, mode, self.sm_count))
         pick = next((c for c in prefs if fits(BY_ID[c], ident, m, n, k)), None)
         if pick is None:
@@ -286,11 +304,19 @@ class Policy:
         obj = {
             "format": FORMAT, "source": dict(self.source), "options": dict(self.options),
             "candidates": candidate_table(), "codebooks": list(self.codebooks),
-            "fallback": {"identity_tree": self.identity_tree.to_dict(), "launch_tree": self.launch_tree.to_dict()},
+            "fallback": self._fallback_dict(),
             "identity_overlays": by_cb, "launch_overlays": launches, "shapes": shapes,
         }
         obj["digest"] = content_digest(obj)
         return obj
+
+    def _fallback_dict(self) -> dict[str, Any]:
+        """The trees as they always were (no "kind" key: a default policy's bytes are unchanged), or the compact
+        fallback with "kind": "compact"."""
+        if self.compact is not None:
+            return self.compact.to_dict()
+        assert self.identity_tree is not None and self.launch_tree is not None
+        return {"identity_tree": self.identity_tree.to_dict(), "launch_tree": self.launch_tree.to_dict()}
 
     def to_bytes(self) -> bytes:
         return canonical_bytes(self.to_dict())
@@ -328,12 +354,22 @@ def _parse(obj: dict[str, Any], where: str) -> Policy:
             and all(isinstance(c, str) for c in codebooks)):
         raise InputError(f"{where}: codebooks must be a sorted list of distinct names")
     fallback = obj["fallback"]
-    if not isinstance(fallback, dict) or set(fallback) != {"identity_tree", "launch_tree"}:
+    if not isinstance(fallback, dict):
+        raise InputError(f"{where}: fallback must be an object")
+    kind = fallback.get("kind", "trees")
+    identity_tree = launch_tree = compact = None
+    if kind == COMPACT:
+        compact = Compact.from_dict(fallback, f"{where}: fallback")
+    elif kind != "trees" or "kind" in fallback:  # the trees are written without a kind
+        raise InputError(f"{where}: fallback kind {kind!r} is not known "
+                         f"(this tool reads {COMPACT!r}, or the trees without a kind)")
+    elif set(fallback) != {"identity_tree", "launch_tree"}:
         raise InputError(f"{where}: fallback must hold identity_tree and launch_tree")
-    identity_tree = Tree.from_dict(fallback["identity_tree"], f"{where}: identity_tree", IDENTITY_FEATURES, int)
-    launch_tree = Tree.from_dict(fallback["launch_tree"], f"{where}: launch_tree", LAUNCH_FEATURES, str)
-    if any(c not in BY_ID for leaf in launch_tree.leaves for c in leaf):
-        raise InputError(f"{where}: launch_tree names an unknown candidate")
+    else:
+        identity_tree = Tree.from_dict(fallback["identity_tree"], f"{where}: identity_tree", IDENTITY_FEATURES, int)
+        launch_tree = Tree.from_dict(fallback["launch_tree"], f"{where}: launch_tree", LAUNCH_FEATURES, str)
+        if any(c not in BY_ID for leaf in launch_tree.leaves for c in leaf):
+            raise InputError(f"{where}: launch_tree names an unknown candidate")
     ident = _rows(obj["identity_overlays"], codebooks, (int, int, int), f"{where}: identity_overlays")
     launch = _rows(obj["launch_overlays"], codebooks, (int, int, int, str, str), f"{where}: launch_overlays")
     shapes = _rows(obj["shapes"], codebooks, (int, int), f"{where}: shapes")
@@ -344,7 +380,7 @@ def _parse(obj: dict[str, Any], where: str) -> Policy:
         launch_tree=launch_tree,
         identity_overlays={(cb, n, k): i for cb, (n, k, i) in ident},
         launch_overlays={(cb, m, n, k, mode): c for cb, (m, n, k, mode, c) in launch},
-        shapes=tuple((cb, n, k) for cb, (n, k) in shapes),
+        shapes=tuple((cb, n, k) for cb, (n, k) in shapes), compact=compact,
     )
     if policy.digest != obj["digest"]:  # valid, but not as `train` writes it (e.g. overlays out of order)
         raise InputError(f"{where}: not in the canonical form `train` writes (rewrite it with `train`)")

@@ -16,6 +16,8 @@ Pipeline (every step deterministic; sklearn estimators seeded):
    Splits thus separate shapes whose choices cost differently. Each leaf becomes an ordered preference list
    built greedily from the training rows that fall in it, minimizing their summed log regret under the
    exact `select` semantics (first available entry, else the canonical candidate): a geomean-regret order.
+   Opt-in instead (`TrainOptions.fallback = "compact"`): the compact fallback (compact.fit_compact), models of
+   log time whose integer scores select argmins.
 5. Overlays: an identity overlay where the tree's identity is slower over the profile than the chosen one
    beyond the noise band; a launch overlay for a measured cell where the tree's launch (under the final
    identity) is slower than the best launch of that identity beyond the noise band.
@@ -41,6 +43,7 @@ from .. import __version__
 from ..common.digests import sha256
 from ..common.threads import bounded_threads
 from ..measure.corpus import MANIFEST, Corpus
+from .compact import FAMILIES, CompactParams, fit_compact, serving
 from .features import (
     IDENTITY_FEATURES,
     LAUNCH_FEATURES,
@@ -62,8 +65,8 @@ from .policy import (
 )
 
 RANDOM_STATE = 0
+FALLBACKS = ("trees", "compact")
 CANDIDATE_IDS: tuple[str, ...] = tuple(c.id for c in CANDIDATES)
-FAMILIES = ("wide", "direct", "kpar")
 TIME_FEATURES: tuple[str, ...] = (*LAUNCH_FEATURES, "family", "ksplit", "threads", "cpt", "mma_tiles",
                                   "staged", "row_tile", "ctas")
 
@@ -126,12 +129,6 @@ class Measurements:
         """The measurements of the (N, K) geometries `keep(n, k)` accepts (cross-validation, hold-out)."""
         return Measurements({key: t for key, t in self.times.items() if keep(key[2], key[3])}, self.noise_rel,
                             self.sm_count, self.source)
-
-
-@cache
-def serving(m: int, n: int, k: int) -> Mapping[str, int]:
-    """Candidate id -> identity, for the candidates valid at (M, N, K) (policy.fits, memoized: hot in training)."""
-    return {c.id: c.identity(k) for c in CANDIDATES if c.valid(m, n, k)}
 
 
 def best_launch(times: Mapping[str, float], identity: int, m: int, n: int, k: int,
@@ -312,11 +309,24 @@ class TrainOptions:
     launch_tree: TreeParams = TreeParams(min_samples_leaf=4, max_leaf_nodes=160)
     predicted_weight: float = 0.5  # weight of predicted (unmeasured M) rows in the launch tree
     random_state: int = RANDOM_STATE
+    # "trees" (the default) or "compact" (docs/policy.md §6, compact.py): opt-in, the default's bytes unchanged
+    fallback: str = "trees"
+    compact: CompactParams = field(default_factory=CompactParams)
+
+    def __post_init__(self) -> None:
+        if self.fallback not in FALLBACKS:
+            raise InputError(f"fallback {self.fallback!r} must be one of {', '.join(FALLBACKS)}")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"profile": {str(m): w for m, w in self.profile.items()},
-                "identity_tree": vars(self.identity_tree) | {}, "launch_tree": vars(self.launch_tree) | {},
-                "predicted_weight": self.predicted_weight, "random_state": self.random_state}
+        """The options a policy records; the compact ones only when the compact fallback is used, so a default
+        policy's bytes stay what they were."""
+        out = {"profile": {str(m): w for m, w in self.profile.items()},
+               "identity_tree": vars(self.identity_tree) | {}, "launch_tree": vars(self.launch_tree) | {},
+               "predicted_weight": self.predicted_weight, "random_state": self.random_state}
+        if self.fallback != "trees":
+            out |= {"fallback": self.fallback, "compact": vars(self.compact) | {}}
+            del out["identity_tree"], out["launch_tree"]
+        return out
 
 
 @dataclass(frozen=True)
@@ -480,13 +490,15 @@ class FallbackRows:
     identity_nk: np.ndarray  # int64 [rows, 2]
     launch: _Rows
     launch_nk: np.ndarray
+    # Scores.expected of the geometries: the profile times the compact fallback's identity model learns from
+    expected: Mapping[Geometry, Mapping[int, float]] = field(default_factory=dict)
 
     @classmethod
     def build(cls, meas: Measurements, scores: Scores, predicted_weight: float) -> FallbackRows:
         (ident, ident_nk), (launch, launch_nk) = _identity_rows(meas, scores), _launch_rows(meas, scores,
                                                                                               predicted_weight)
         return cls(ident, np.asarray(ident_nk, dtype=np.int64).reshape(-1, 2), launch,
-                   np.asarray(launch_nk, dtype=np.int64).reshape(-1, 2))
+                   np.asarray(launch_nk, dtype=np.int64).reshape(-1, 2), dict(scores.expected))
 
     def subset(self, keep: Callable[[int, int], bool]) -> FallbackRows:
         """The rows of the (N, K) geometries `keep(n, k)` accepts."""
@@ -495,7 +507,8 @@ class FallbackRows:
             kept = _Rows(rows.x[mask], rows.y[mask], rows.weight[mask], rows.usable[mask], rows.fallback[mask])
             return kept, nk[mask]
 
-        return FallbackRows(*take(self.identity, self.identity_nk), *take(self.launch, self.launch_nk))
+        return FallbackRows(*take(self.identity, self.identity_nk), *take(self.launch, self.launch_nk),
+                            {g: e for g, e in self.expected.items() if keep(g[1], g[2])})
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -507,12 +520,17 @@ def fit_fallback(meas: Measurements, rows: FallbackRows, options: TrainOptions |
     subset of a larger set's for the geometries of `meas`)."""
     options = options or TrainOptions()
     profile = validate_profile(options.profile)
-    identity_tree = _fit_tree(rows.identity, IDENTITY_FEATURES, IDENTITIES, options.identity_tree,
-                              options.random_state)
-    launch_tree = _fit_tree(rows.launch, LAUNCH_FEATURES, CANDIDATE_IDS, options.launch_tree, options.random_state)
     source = dict(meas.source) | {"sklearn_version": _sklearn_version()}
     opts = options.to_dict() | {"profile": {str(m): w for m, w in profile.items()}, "noise_rel": meas.noise_rel,
                                 "modes": list(meas.modes)}
+    if options.fallback == "compact":
+        expected = {g: rows.expected[g] for g in meas.geometries()}
+        compact = fit_compact(meas.times, expected, meas.codebooks, meas.modes, profile, meas.sm_count,
+                              options.compact)
+        return Policy(source, opts, meas.codebooks, None, None, {}, {}, tuple(meas.geometries()), compact)
+    identity_tree = _fit_tree(rows.identity, IDENTITY_FEATURES, IDENTITIES, options.identity_tree,
+                              options.random_state)
+    launch_tree = _fit_tree(rows.launch, LAUNCH_FEATURES, CANDIDATE_IDS, options.launch_tree, options.random_state)
     return Policy(source, opts, meas.codebooks, identity_tree, launch_tree, {}, {}, tuple(meas.geometries()))
 
 

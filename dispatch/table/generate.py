@@ -30,8 +30,8 @@ from ..common.contract import MODES
 from ..common.digests import sha256
 from ..common.files import read_input, write_files
 from ..common.gpu import gpu_slug
-from ..learn import features
-from ..learn.policy import CANONICAL_WIDE, Policy, canonical_kpar
+from ..learn import compact, features
+from ..learn.policy import CANONICAL_WIDE, IDENTITIES, Policy, canonical_kpar
 from .bundle import CERTIFICATE, HEADER, MODULE, POLICY, certificate_bytes, read_certificate
 from .certify import inventories_digest, policy_digests
 
@@ -57,6 +57,86 @@ def _tree(tree: Any, order: tuple[str, ...], as_index: Mapping[Any, int] | None)
     nodes = [(-1 if f == -1 else remap[f], t, left, right, leaf) for f, t, left, right, leaf in tree.nodes]
     leaves = [[as_index[c] if as_index else c for c in leaf] for leaf in tree.leaves]
     return RenderedTree(nodes, leaves)
+
+
+# The compact fallback's features the templates implement (dispatch.learn.compact order), checked as above.
+RENDERED_COMPACT_IDENTITY = ("lg_wbytes", "lg_n", "lg_k", "bpw_x64", "asymmetric", "high_bits", "table", "superblock",
+                             "split", "lg_width", "lg_ctas", "waves_x64", "lg_bytes_per_cta")
+RENDERED_COMPACT_LAUNCH = ("lg_wbytes", "lg_n", "lg_k", "lg_m", "bpw_x64", "asymmetric", "high_bits", "table",
+                           "superblock", "family", "split", "lg_width", "threads", "cta_threads", "cpt", "mma_tiles",
+                           "staged", "tile", "passes", "lg_ctas", "waves_x64", "whole_waves", "last_fill_x64",
+                           "lg_bytes_per_cta", "lg_outputs_per_cta", "lg_bytes_passes", "mode")
+COMPACT_LANES = 8  # options the C header scores together: each tree level one compare over a row of lanes
+
+
+def _c_int(v: int) -> str:
+    """An int64 literal: LL beyond int32 (C99 gives an unsuffixed literal the first type that holds it, but an
+    explicit suffix keeps -pedantic quiet on every platform)."""
+    return f"{v}LL" if not -(1 << 31) < v < (1 << 31) - 1 else str(v)
+
+
+def _compact_model(model: compact.CompactModel, tag: str) -> dict[str, Any]:
+    """One compact model as the templates spell it: per tree the leaf index as an expression of compares shifted
+    into place (the features and thresholds as immediates: no walk loop, about a third of a walk's time in Python,
+    and in C a compare over a row of lanes that -O2 vectorizes)."""
+    d = model.depth
+
+    def index(x: str, levels: tuple[tuple[int, int], ...], c: bool) -> str:
+        return " | ".join(f"(({x.format(f)} > {_c_int(v) if c else v}) << {d - 1 - i})"
+                          for i, (f, v) in enumerate(levels)) if d else "0"
+
+    leaves = [list(lv) for _, lv in model.trees]
+    fits32 = all(-(1 << 31) < v < (1 << 31) - 1 for lv in leaves for v in lv)
+    return {
+        "tag": tag, "depth": d, "trees": len(model.trees), "leaves": leaves or [[0] * (1 << d)],
+        "c_leaf_type": "int32_t" if fits32 else "int64_t",
+        "py_terms": [f"_{tag.upper()}_V[{t}][{index('x[{}]', levels, False)}]"
+                     for t, (levels, _) in enumerate(model.trees)] or ["0"],
+        "c_index": [index("X[{}][j0 + j]", levels, True) for levels, _ in model.trees],
+    }
+
+
+def _feature_type(fallback: compact.Compact) -> tuple[str, int, int]:
+    """(C type, min, max) of the narrowest int type the header may store features in: features are computed in
+    int64 and clamped into [min, max], which keeps every compare exact while each threshold t has min <= t < max
+    (x > max > t, and x < min <= t, compare as x itself). Narrow rows compare more options per vector instruction:
+    int16 is what the study timed."""
+    thresholds = [t for model in (fallback.identity, fallback.launch) for levels, _ in model.trees for _, t in levels]
+    for bits in (16, 32):
+        lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+        if all(lo <= t < hi for t in thresholds):
+            return f"int{bits}_t", lo, hi
+    return "int64_t", -(1 << 63), (1 << 63) - 1
+
+
+def _compact(policy: Policy, codebooks: list[str]) -> dict[str, Any] | None:
+    """What the templates need of a compact fallback, or None for the trees."""
+    if policy.compact is None:
+        return None
+    if (compact.IDENTITY_FEATURES, compact.LAUNCH_FEATURES) != (RENDERED_COMPACT_IDENTITY, RENDERED_COMPACT_LAUNCH):
+        raise InputError("dispatch.learn.compact changed: the templates implement "
+                         f"{RENDERED_COMPACT_LAUNCH}, the policy code {compact.LAUNCH_FEATURES}")
+    traits = [compact.Traits.of(cb) for cb in codebooks]
+    cands = registry.CANDIDATES
+    return {
+        "identity": _compact_model(policy.compact.identity, "cid"),
+        "launch": _compact_model(policy.compact.launch, "cla"),
+        "identities": list(IDENTITIES),
+        # codebook -> weights per block, block bytes, asymmetric, high bits, table (compact.Traits)
+        "traits": [(t.weights, t.block_bytes, t.asymmetric, t.high_bits, t.table) for t in traits],
+        # per candidate: family, ksplit, threads, cta threads, cpt, mma_tiles, staged, outputs per CTA,
+        # 64·log2(outputs per CTA), the row tile cap min(ROW_TILES[-1], MAX_ACCUMULATORS // cpt)
+        "candidates": [(FAMILIES.index(c.family), c.ksplit, c.threads,
+                        c.threads * (1 if c.family == "kpar" else c.ksplit), c.cpt, c.mma_tiles, int(c.staged),
+                        c.outputs_per_cta, compact.ilog2(c.outputs_per_cta),
+                        min(registry.ROW_TILES[-1], registry.MAX_ACCUMULATORS // c.cpt)) for c in cands],
+        "mma_rows": registry.MMA_ROWS,
+        "mma_tiles": registry.MMA_ROW_TILES,
+        "lanes": COMPACT_LANES,
+        "cache_slots": 256,
+        "feature_type": _feature_type(policy.compact),
+        "max_options": -(-max(len(cands), len(IDENTITIES)) // COMPACT_LANES) * COMPACT_LANES,
+    }
 
 
 def _plain(text: str) -> str:
@@ -135,8 +215,9 @@ def context(policy: Policy, inventories: str) -> dict[str, Any]:
         "canonical_wide": index[CANONICAL_WIDE],
         # canonical(i, k) for i > 1: the dp4a kpar t128 c1 launches, in registry order (policy.canonical).
         "canonical_kpar": [i for i, c in enumerate(candidates) if canonical_kpar(c)],
-        "identity_tree": _tree(policy.identity_tree, RENDERED_IDENTITY_FEATURES, None),
-        "launch_tree": _tree(policy.launch_tree, RENDERED_LAUNCH_FEATURES, index),
+        "identity_tree": policy.identity_tree and _tree(policy.identity_tree, RENDERED_IDENTITY_FEATURES, None),
+        "launch_tree": policy.launch_tree and _tree(policy.launch_tree, RENDERED_LAUNCH_FEATURES, index),
+        "compact": _compact(policy, codebooks),
         "identity_overlays": sorted((cb_index[cb], n, k, ident)
                                     for (cb, n, k), ident in policy.identity_overlays.items()),
         "launch_overlays": sorted((cb_index[cb], m, n, k, mode_index[mode], index[cand])

@@ -20,7 +20,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-from compact_fallback_study import (
+from gemv_dispatch.dispatch.learn.compact import (
+    FAMILIES,
     IDENTITY_CONSTANT,
     IDENTITY_FEATURES,
     LAUNCH_CONSTANT,
@@ -28,13 +29,13 @@ from compact_fallback_study import (
     LEAF_SCALE,
     Oblivious,
     Traits,
+    available,
     identity_row,
     launch_row,
+    serving,
 )
-from fallback_study import available
 from gemv_dispatch.dispatch.learn.features import execution_codebooks
 from gemv_dispatch.dispatch.learn.policy import SERVED_MS
-from gemv_dispatch.dispatch.learn.train import FAMILIES, serving
 from gemv_dispatch.kernels.registry import BY_ID, CANDIDATES
 
 KEYS = 1000
