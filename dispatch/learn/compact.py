@@ -24,6 +24,7 @@ from ...kernels.codebooks import formats_of, get
 from ...kernels.errors import BLOCK, InputError
 from ...kernels.registry import BY_ID, CANDIDATES, Candidate, mma_row_tiles, row_tile
 from ..common.contract import MODES, SERVED_MS
+from .features import codebook_features
 
 if TYPE_CHECKING:
     import numpy as np
@@ -84,9 +85,9 @@ class Traits:
     @classmethod
     @cache
     def of(cls, codebook: str) -> Traits:
-        book = get(formats_of(codebook)[0])
-        return cls(book.weights, book.block_bytes, int(book.asymmetric), int(book.high_bits),
-                   int(book.name.startswith("IQ")))
+        """The decode flags as the trees' features define them (features.codebook_features), with the block's
+        weights, which a super-block format's true byte count needs."""
+        return cls(get(formats_of(codebook)[0]).weights, **codebook_features(codebook))
 
     def shape(self, n: int, k: int) -> list[int]:
         """lg_wbytes .. superblock: what the launch and identity features share (weight bytes true)."""

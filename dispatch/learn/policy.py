@@ -24,7 +24,7 @@ from ..common.contract import SERVED_MS
 from ..common.digests import canonical_bytes, content_digest, read_digested
 from ..common.files import read_input, write_atomic
 from .compact import KIND as COMPACT
-from .compact import Compact
+from .compact import Compact, available
 from .features import (
     IDENTITY_FEATURES,
     LAUNCH_FEATURES,
@@ -255,8 +255,7 @@ class Policy:
         if (codebook, n, k) in self.identity_overlays:
             return self.identity_overlays[(codebook, n, k)], True
         if self.compact is not None:
-            avail = [i for i in IDENTITIES if canonical(i, n, k) is not None]  # 1 always: the wide launch
-            return self.compact.pick_identity(codebook, n, k, self.sm_count, avail), False
+            return self.compact.pick_identity(codebook, n, k, self.sm_count, available(n, k)), False
         assert self.identity_tree is not None
         prefs = self.identity_tree.leaf(identity_features(codebook, n, k, self.sm_count))
         return next((i for i in prefs if canonical(i, n, k) is not None), 1), False
