@@ -121,12 +121,6 @@ def identity_row(tr: Traits, n: int, k: int, s: int, sm: int) -> list[int]:
     return [*head, s, ilog2(-(-(k // BLOCK) // s)), lg_ctas, 64 * ctas // sm, head[0] - lg_ctas]
 
 
-@cache
-def serving(m: int, n: int, k: int) -> Mapping[str, int]:
-    """Candidate id -> identity, for the candidates valid at (M, N, K) (policy.fits, memoized: hot in training)."""
-    return {c.id: c.identity(k) for c in CANDIDATES if c.valid(m, n, k)}
-
-
 # ---------------------------------------------------------------------------------------------------------
 # The models as a policy holds them
 
@@ -347,6 +341,8 @@ class Launches:
     @classmethod
     def build(cls, geos: Sequence[Geometry], ms: Sequence[int], modes: Sequence[str], sm: int) -> Launches:
         import numpy as np
+
+        from .policy import serving
 
         keys, ident, x = [], [], []
         for g, (cb, n, k) in enumerate(geos):

@@ -13,7 +13,7 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from fractions import Fraction
-from functools import cached_property
+from functools import cache, cached_property
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
@@ -74,6 +74,12 @@ def canonical(identity: int, n: int, k: int) -> Candidate | None:
 def fits(candidate: Candidate, identity: int, m: int, n: int, k: int) -> bool:
     """The candidate may serve (M, N, K) under this identity: valid there, and of exactly that identity."""
     return candidate.valid(m, n, k) and candidate.identity(k) == identity
+
+
+@cache
+def serving(m: int, n: int, k: int) -> Mapping[str, int]:
+    """Candidate id -> identity, for the candidates valid at (M, N, K) (`fits`, memoized: hot in training)."""
+    return {c.id: c.identity(k) for c in CANDIDATES if c.valid(m, n, k)}
 
 
 def tie_key(candidate: Candidate, m: int, n: int, k: int) -> tuple[int, str]:

@@ -43,7 +43,7 @@ from .. import __version__
 from ..common.digests import sha256
 from ..common.threads import bounded_threads
 from ..measure.corpus import MANIFEST, Corpus
-from .compact import FAMILIES, CompactParams, fit_compact, serving
+from .compact import FAMILIES, CompactParams, fit_compact
 from .features import (
     IDENTITY_FEATURES,
     LAUNCH_FEATURES,
@@ -60,6 +60,7 @@ from .policy import (
     Policy,
     Tree,
     canonical,
+    serving,
     tie_key,
     validate_profile,
 )

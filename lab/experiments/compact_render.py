@@ -32,10 +32,9 @@ from gemv_dispatch.dispatch.learn.compact import (
     available,
     identity_row,
     launch_row,
-    serving,
 )
 from gemv_dispatch.dispatch.learn.features import execution_codebooks
-from gemv_dispatch.dispatch.learn.policy import SERVED_MS
+from gemv_dispatch.dispatch.learn.policy import SERVED_MS, serving
 from gemv_dispatch.kernels.registry import BY_ID, CANDIDATES
 
 KEYS = 1000
