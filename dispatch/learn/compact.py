@@ -96,18 +96,23 @@ class Traits:
                 self.high_bits, self.table, int(self.weights > BLOCK)]
 
 
+@cache  # select's hot path: a fact of the candidate
+def cta_threads(c: Candidate) -> int:
+    """Threads of one CTA: the registry's block (a direct CTA holds its S partitions, a kpar CTA one)."""
+    return math.prod(c.launch_geometry(1, 1, BLOCK)[1])
+
+
 def launch_row(tr: Traits, c: Candidate, m: int, n: int, k: int, mode: int, sm: int) -> list[int]:
     """LAUNCH_FEATURES of a launch valid at (M, N, K); mode as its index in MODES."""
     lg_w, lg_n, lg_k, bpw, asym, high, table, sb = tr.shape(n, k)
     width = -(-(k // BLOCK) // c.ksplit)
     outputs = c.outputs_per_cta
     ctas = -(-n // outputs) * (c.ksplit if c.family == "kpar" else 1)
-    cta_threads = c.threads * (1 if c.family == "kpar" else c.ksplit)
     tile = mma_row_tiles(m) * 16 if c.mma_tiles else row_tile(m, c.cpt)
     passes = -(-m // tile)
     lg_ctas = ilog2(ctas)
     return [lg_w, lg_n, lg_k, ilog2(m), bpw, asym, high, table, sb, FAMILIES.index(c.family), c.ksplit,
-            ilog2(width), c.threads, cta_threads, c.cpt, c.mma_tiles, int(c.staged), tile, passes, lg_ctas,
+            ilog2(width), c.threads, cta_threads(c), c.cpt, c.mma_tiles, int(c.staged), tile, passes, lg_ctas,
             64 * ctas // sm, -(-ctas // sm), 64 * ((ctas - 1) % sm + 1) // sm, lg_w - lg_ctas, ilog2(outputs),
             lg_w + ilog2(passes), mode]
 

@@ -127,7 +127,7 @@ def _compact(policy: Policy, codebooks: list[str]) -> dict[str, Any] | None:
         # per candidate: family, ksplit, threads, cta threads, cpt, mma_tiles, staged, outputs per CTA,
         # 64·log2(outputs per CTA), the row tile cap min(ROW_TILES[-1], MAX_ACCUMULATORS // cpt)
         "candidates": [(FAMILIES.index(c.family), c.ksplit, c.threads,
-                        c.threads * (1 if c.family == "kpar" else c.ksplit), c.cpt, c.mma_tiles, int(c.staged),
+                        compact.cta_threads(c), c.cpt, c.mma_tiles, int(c.staged),
                         c.outputs_per_cta, compact.ilog2(c.outputs_per_cta),
                         min(registry.ROW_TILES[-1], registry.MAX_ACCUMULATORS // c.cpt)) for c in cands],
         "mma_rows": registry.MMA_ROWS,
